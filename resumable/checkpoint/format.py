@@ -1,0 +1,185 @@
+"""On-disk checkpoint format: payload files, ``manifest.json`` written last, integrity checks.
+
+Layout::
+
+    RUN_DIR/checkpoints/step-000001234/
+        state.pt        torch.save of plain containers and tensors (weights_only loadable)
+        manifest.json   format version, step, sizes and sha256 of every file, fingerprint, config
+
+A directory is a checkpoint only if its manifest parses, has a known format version, and every file it
+lists exists with the recorded size and sha256. The manifest is replaced atomically (temp file, fsync,
+``os.replace``, fsync of the directory), so a kill at any instant leaves either no manifest or a
+complete one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT_NAME = "resumable-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+PAYLOAD = "state.pt"
+TMP_MARK = ".tmp-"
+_CHUNK = 1 << 20
+
+
+class InvalidCheckpoint(Exception):
+    """A directory that is not a usable checkpoint; the message says why."""
+
+
+class UnsafeCheckpoint(InvalidCheckpoint):
+    """A payload that would need arbitrary unpickling to load."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a ``step-NNNNNNNNN`` directory name, or None for anything else."""
+    if not name.startswith("step-") or TMP_MARK in name:
+        return None
+    digits = name[len("step-"):]
+    return int(digits) if digits.isdigit() else None
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _HashingWriter:
+    """File wrapper that hashes bytes as torch.save streams them, so the payload is read once."""
+
+    def __init__(self, handle: io.BufferedWriter) -> None:
+        self._handle = handle
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self._handle.write(data)
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+
+def _tmp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+
+
+def write_payload(directory: Path, obj: Any, name: str = PAYLOAD) -> dict[str, Any]:
+    """torch.save ``obj`` to ``directory/name`` atomically; returns ``{"size", "sha256"}``."""
+    final = directory / name
+    tmp = _tmp_path(final)
+    with open(tmp, "wb") as handle:
+        writer = _HashingWriter(handle)
+        torch.save(obj, writer)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, final)
+    return {"size": writer.size, "sha256": writer.sha256.hexdigest()}
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON so that ``path`` holds either the old or the complete new content, never a mix."""
+    tmp = _tmp_path(path)
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """Parse and sanity-check a manifest; raises InvalidCheckpoint naming the problem."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise InvalidCheckpoint("no manifest.json (the save did not finish)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidCheckpoint(f"manifest.json is unreadable ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise InvalidCheckpoint("manifest.json is not a resumable manifest")
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise InvalidCheckpoint(f"format version {version!r} is newer than this resumable understands "
+                                f"({FORMAT_VERSION}); upgrade resumable to load it")
+    if not isinstance(manifest.get("step"), int) or not isinstance(manifest.get("files"), dict):
+        raise InvalidCheckpoint("manifest.json lacks step or files")
+    return manifest
+
+
+def verify_files(directory: Path, manifest: dict[str, Any], deep: bool = True) -> None:
+    """Check every listed file's size (and sha256 when ``deep``); raises InvalidCheckpoint."""
+    for name, expected in sorted(manifest["files"].items()):
+        path = directory / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            raise InvalidCheckpoint(f"{name} is missing") from None
+        if size != expected.get("size"):
+            raise InvalidCheckpoint(f"{name} has {size} bytes, the manifest says {expected.get('size')}")
+        if deep and sha256_file(path) != expected.get("sha256"):
+            raise InvalidCheckpoint(f"{name} does not match its sha256 (the file is corrupt)")
+
+
+def load_payload(path: Path) -> Any:
+    """Load a payload with ``weights_only=True``; anything needing arbitrary unpickling is refused."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpoint(f"{path} needs arbitrary unpickling to load and was refused for safety "
+                               f"({str(e).splitlines()[0]})") from e
+    except (RuntimeError, EOFError, OSError) as e:
+        raise InvalidCheckpoint(f"{path} cannot be read ({e})") from e
+
+
+def _tensor_items(prefix: str, obj: Any) -> Iterable[tuple[str, torch.Tensor]]:
+    """Tensors inside nested dicts/lists, in a fixed key order."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for key in sorted(obj, key=str):
+            yield from _tensor_items(f"{prefix}/{key}", obj[key])
+    elif isinstance(obj, (list, tuple)):
+        for index, item in enumerate(obj):
+            yield from _tensor_items(f"{prefix}/{index}", item)
+
+
+def fingerprint(model_state: dict[str, Any], optimizer_state: dict[str, Any] | None) -> str:
+    """sha256 over the model and optimizer state tensors (names, dtypes, shapes, bytes) in key order.
+
+    Two runs that reach the same training state have the same fingerprint, whatever the file bytes.
+    """
+    digest = hashlib.sha256()
+    for name, tensor in _tensor_items("", {"model": model_state, "optimizer": optimizer_state or {}}):
+        data = tensor.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{name}|{data.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(data.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

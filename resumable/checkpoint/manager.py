@@ -1,0 +1,210 @@
+"""Save, list, validate, load and prune checkpoints in one directory.
+
+Commit protocol for ``save``: invalidate any old manifest of that step, write the payload (temp file,
+fsync, rename), then write ``manifest.json`` atomically. Pruning runs only after a commit and removes a
+checkpoint's manifest first, so a prune interrupted half-way never leaves a directory that looks valid.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import format as fmt
+from .retention import Candidate, steps_to_prune
+
+
+@dataclass
+class CheckpointInfo:
+    """One ``step-*`` directory and whether it is a valid checkpoint (``reason`` says why not)."""
+
+    step: int
+    path: Path
+    manifest: dict[str, Any] | None
+    reason: str | None = None
+
+    @property
+    def valid(self) -> bool:
+        return self.reason is None
+
+    @property
+    def committed(self) -> bool:
+        """A manifest was written (a save that did not finish leaves none)."""
+        return (self.path / fmt.MANIFEST).exists()
+
+    def _get(self, key: str) -> Any:
+        return (self.manifest or {}).get(key)
+
+    @property
+    def epoch(self) -> int | None:
+        return self._get("epoch")
+
+    @property
+    def created(self) -> float | None:
+        return self._get("created_unix")
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self._get("fingerprint")
+
+    @property
+    def test_acc(self) -> float | None:
+        return (self._get("metrics") or {}).get("test_acc")
+
+    @property
+    def size(self) -> int:
+        return sum(f.get("size", 0) for f in (self._get("files") or {}).values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "epoch": self.epoch, "valid": self.valid, "reason": self.reason,
+                "fingerprint": self.fingerprint, "path": str(self.path), "created": self.created,
+                "size": self.size, "test_acc": self.test_acc}
+
+
+class CheckpointManager:
+    """Checkpoints under ``root`` (``RUN_DIR/checkpoints``)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    # -- listing and validation -------------------------------------------------------------------
+    def step_dirs(self) -> list[tuple[int, Path]]:
+        """Every ``step-*`` directory, oldest first by step number."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in self.root.iterdir():
+            step = fmt.parse_step_dir(entry.name)
+            if step is not None and entry.is_dir():
+                found.append((step, entry))
+        return sorted(found)
+
+    def check(self, step: int, path: Path, deep: bool = True) -> CheckpointInfo:
+        try:
+            manifest = fmt.read_manifest(path)
+        except fmt.InvalidCheckpoint as e:
+            return CheckpointInfo(step, path, None, str(e))
+        if manifest["step"] != step:
+            return CheckpointInfo(step, path, manifest, f"manifest says step {manifest['step']}")
+        try:
+            fmt.verify_files(path, manifest, deep=deep)
+        except fmt.InvalidCheckpoint as e:
+            return CheckpointInfo(step, path, manifest, str(e))
+        return CheckpointInfo(step, path, manifest)
+
+    def inspect(self, deep: bool = True) -> list[CheckpointInfo]:
+        return [self.check(step, path, deep) for step, path in self.step_dirs()]
+
+    def latest_valid(self) -> tuple[CheckpointInfo | None, list[CheckpointInfo]]:
+        """The newest fully verified checkpoint, and the newer directories skipped as invalid."""
+        skipped = []
+        for step, path in reversed(self.step_dirs()):
+            info = self.check(step, path, deep=True)
+            if info.valid:
+                return info, skipped
+            skipped.append(info)
+        return None, skipped
+
+    # -- save, load, clean ------------------------------------------------------------------------
+    def save(self, step: int, payload: dict[str, Any], meta: dict[str, Any]) -> CheckpointInfo:
+        """Write and commit the checkpoint of ``step``; returns it once the manifest is durable."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        directory = self.root / fmt.step_dir_name(step)
+        directory.mkdir(exist_ok=True)
+        manifest_path = directory / fmt.MANIFEST
+        if manifest_path.exists():
+            # Re-saving a step (after falling back past a corrupt one): invalidate before rewriting.
+            manifest_path.unlink()
+            fmt.fsync_dir(directory)
+        files = {fmt.PAYLOAD: fmt.write_payload(directory, payload)}
+        _test_pause_before_commit()
+        manifest = {
+            **meta,
+            "format": fmt.FORMAT_NAME,
+            "format_version": fmt.FORMAT_VERSION,
+            "step": step,
+            "files": files,
+            "created_unix": time.time(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "torch_version": torch.__version__,
+            "python_version": platform.python_version(),
+        }
+        fmt.write_json_atomic(manifest_path, manifest)
+        fmt.fsync_dir(self.root)
+        return CheckpointInfo(step, directory, manifest)
+
+    def load(self, info: CheckpointInfo) -> dict[str, Any]:
+        payload = fmt.load_payload(info.path / fmt.PAYLOAD)
+        if not isinstance(payload, dict):
+            raise fmt.InvalidCheckpoint(f"{info.path} holds a {type(payload).__name__}, not a checkpoint")
+        return payload
+
+    def cleanup_incomplete(self) -> list[Path]:
+        """Remove temp files and step directories a killed save left without a manifest."""
+        removed: list[Path] = []
+        if not self.root.is_dir():
+            return removed
+        for entry in self.root.iterdir():
+            if fmt.TMP_MARK in entry.name and entry.is_file():
+                entry.unlink()
+                removed.append(entry)
+        for _, path in self.step_dirs():
+            for entry in path.iterdir():
+                if fmt.TMP_MARK in entry.name:
+                    entry.unlink()
+                    removed.append(entry)
+            if not (path / fmt.MANIFEST).exists():
+                shutil.rmtree(path)
+                removed.append(path)
+        return removed
+
+    def prune(self, keep: int, keep_best: bool, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """Delete committed checkpoints beyond the retention policy; returns the deleted steps."""
+        valid = [info for info in self.inspect(deep=False) if info.valid]
+        doomed = steps_to_prune([Candidate(i.step, i.test_acc) for i in valid], keep, keep_best, protect)
+        by_step = {info.step: info for info in valid}
+        for step in doomed:
+            self.delete(by_step[step].path)
+        return doomed
+
+    def delete(self, path: Path) -> None:
+        """Delete one checkpoint, manifest first, so a half-deleted directory is never valid."""
+        manifest = path / fmt.MANIFEST
+        if manifest.exists():
+            manifest.unlink()
+            fmt.fsync_dir(path)
+        shutil.rmtree(path)
+
+    def delete_all(self) -> None:
+        for _, path in reversed(self.step_dirs()):
+            self.delete(path)
+
+
+def _test_pause_before_commit() -> None:
+    """Test hook: RESUMABLE_TEST_SAVE_DELAY=SECONDS widens the window between payload and manifest so
+    kill tests can land inside a save. Unset in normal use."""
+    delay = os.environ.get("RESUMABLE_TEST_SAVE_DELAY")
+    if delay:
+        time.sleep(float(delay))
+
+
+def describe_age(created: float | None) -> str:
+    if created is None:
+        return "unknown age"
+    seconds = max(time.time() - created, 0.0)
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+def checkpoints_dir(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / "checkpoints"

@@ -1,0 +1,143 @@
+"""Command-line entry points: ``resumable-train`` and the ``resumable`` command group."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .config import DEVICES, LR_SCHEDULES, TrainConfig
+
+# click parameter name -> TrainConfig field, for options that map one to one.
+_CONFIG_OPTIONS = ("run_dir", "data_dir", "epochs", "max_steps", "batch_size", "lr", "seed", "device",
+                   "lr_schedule", "checkpoint_steps", "keep", "keep_best", "log_every", "download", "progress")
+
+
+def _writable_dir(path: str) -> bool:
+    """True if ``path`` exists as a writable directory or could be created."""
+    target = Path(path).absolute()
+    while not target.exists():
+        if target.parent == target:
+            return False
+        target = target.parent
+    return target.is_dir() and os.access(target, os.W_OK | os.X_OK)
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--run-dir", type=click.Path(file_okay=False), default=TrainConfig.run_dir, show_default=True,
+              help="Where checkpoints and metrics.jsonl live. Re-running with the same --run-dir resumes.")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=TrainConfig.data_dir, show_default=True,
+              help="Folder holding MNIST/raw/ (torchvision layout); downloaded there when missing.")
+@click.option("--epochs", type=click.IntRange(min=1), default=TrainConfig.epochs, show_default=True)
+@click.option("--max-steps", type=click.IntRange(min=0), default=None,
+              help="Stop after this many optimizer steps in total (across resumes).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=TrainConfig.batch_size, show_default=True)
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=TrainConfig.lr, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=TrainConfig.seed, show_default=True)
+@click.option("--device", type=click.Choice(DEVICES), default=TrainConfig.device, show_default=True)
+@click.option("--lr-schedule", type=click.Choice(LR_SCHEDULES), default=TrainConfig.lr_schedule,
+              show_default=True, help="step: x0.7 each epoch; onecycle: OneCycleLR over the whole run.")
+@click.option("--checkpoint-steps", type=click.IntRange(min=1), default=None,
+              help="Also checkpoint every N optimizer steps (always at each epoch end and at the end).")
+@click.option("--keep", type=click.IntRange(min=1), default=TrainConfig.keep, show_default=True,
+              help="Number of newest checkpoints to keep.")
+@click.option("--keep-best/--no-keep-best", default=TrainConfig.keep_best, show_default=True,
+              help="Also keep the checkpoint with the best test accuracy.")
+@click.option("--log-every", type=click.IntRange(min=1), default=TrainConfig.log_every, show_default=True,
+              help="Write a training record to metrics.jsonl every N steps.")
+@click.option("--download/--no-download", default=TrainConfig.download, show_default=True,
+              help="Download MNIST when the files are missing.")
+@click.option("--progress/--no-progress", default=TrainConfig.progress, show_default=True,
+              help="Show tqdm progress bars.")
+@click.option("--resume", "mode", flag_value="resume", help="Require a checkpoint to resume from.")
+@click.option("--fresh", "mode", flag_value="fresh", help="Start over (refused if checkpoints exist, "
+              "unless --overwrite).")
+@click.option("--overwrite", is_flag=True, help="With --fresh: delete existing checkpoints and metrics.")
+@click.pass_context
+def train_command(ctx: click.Context, mode: str | None, overwrite: bool, **options: Any) -> None:
+    """Train the MNIST CNN of the classic Colab guide, resumably.
+
+    Kill it at any moment and run the same command again: it continues from the newest valid
+    checkpoint and ends with the same weights as a run that was never interrupted.
+    """
+    explicit = {name: options[name] for name in _CONFIG_OPTIONS
+                if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT}
+    explicit["run_dir"] = options["run_dir"]
+    if overwrite and mode != "fresh":
+        raise click.UsageError("--overwrite only makes sense with --fresh")
+    if not _writable_dir(options["run_dir"]):
+        raise click.BadParameter(f"{options['run_dir']!r} is not a writable directory (or cannot be created)",
+                                 param_hint="--run-dir")
+    try:
+        TrainConfig(**{**explicit})  # validate before touching anything
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+
+    from .errors import ResumableError  # heavy imports after cheap validation
+    from .runner import train
+    from .tasks.mnist import DataUnavailable
+
+    try:
+        code = train(explicit, mode=mode or "auto", overwrite=overwrite)
+    except (ResumableError, DataUnavailable) as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        click.echo("interrupted; the newest committed checkpoint is intact — run the same command to "
+                   "continue", err=True)
+        sys.exit(130)
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """resumable: training that survives being killed. See `resumable-train --help` to train."""
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def inspect(run_dir: str, as_json: bool) -> None:
+    """List the checkpoints of RUN_DIR: step, epoch, time, size, valid or why not."""
+    from .checkpoint import CheckpointManager, checkpoints_dir
+
+    infos = CheckpointManager(checkpoints_dir(run_dir)).inspect(deep=True)
+    latest = next((i for i in reversed(infos) if i.valid), None)
+    if as_json:
+        click.echo(json.dumps({"run_dir": run_dir, "checkpoints": [i.to_json() for i in infos],
+                               "latest_valid": latest.to_json() if latest else None}, indent=2))
+        return
+    if not infos:
+        click.echo(f"no checkpoints in {checkpoints_dir(run_dir)}")
+        return
+    click.echo(f"{'step':>10} {'epoch':>6} {'created':>25} {'size':>10}  status")
+    for info in infos:
+        created = (info.manifest or {}).get("created", "-")
+        status = "valid" if info.valid else f"INVALID: {info.reason}"
+        marker = "  <- latest valid" if info is latest else ""
+        click.echo(f"{info.step:>10} {info.epoch if info.epoch is not None else '-':>6} {created:>25} "
+                   f"{info.size / 1e6:>8.2f}MB  {status}{marker}")
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False))
+def verify(run_dir: str) -> None:
+    """Re-hash every checkpoint of RUN_DIR; exit 1 if the newest one is not valid."""
+    from .checkpoint import CheckpointManager, checkpoints_dir
+
+    infos = CheckpointManager(checkpoints_dir(run_dir)).inspect(deep=True)
+    for info in infos:
+        click.echo(f"step {info.step}: {'ok' if info.valid else 'INVALID: ' + str(info.reason)}")
+    if not infos:
+        _fail(f"no checkpoints in {checkpoints_dir(run_dir)}")
+    if not infos[-1].valid:
+        click.echo(f"newest checkpoint (step {infos[-1].step}) is not valid", err=True)
+        sys.exit(1)

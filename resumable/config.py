@@ -1,0 +1,83 @@
+"""Validated, frozen training configuration.
+
+Every click option of ``resumable-train`` maps to one field here. ``None`` means "off".
+Fields in :data:`COMPUTATION_FIELDS` change the numbers a run computes, so a resumed run must use
+the checkpoint's values for them; the others (epochs, max_steps, paths, checkpoint policy) may change
+between sessions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+DEVICES = ("auto", "cpu", "cuda")
+LR_SCHEDULES = ("none", "step", "onecycle")
+RESUME_MODES = ("auto", "resume", "fresh")
+
+# Fields whose change alters the computation; checked against the checkpoint on resume.
+COMPUTATION_FIELDS = ("task", "batch_size", "seed", "lr", "lr_schedule")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one ``resumable-train`` invocation needs.
+
+    >>> TrainConfig(epochs=1, run_dir="runs/demo").epochs
+    1
+    """
+
+    run_dir: str = "runs/mnist"
+    data_dir: str = "data"
+    task: str = "mnist"
+    epochs: int = 10
+    max_steps: int | None = None
+    batch_size: int = 128
+    lr: float = 1e-3
+    seed: int = 1
+    device: str = "auto"
+    lr_schedule: str = "none"
+    checkpoint_steps: int | None = None
+    keep: int = 3
+    keep_best: bool = True
+    log_every: int = 10
+    download: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.epochs >= 1, "epochs", self.epochs, "must be at least 1")
+        _require(self.max_steps is None or self.max_steps >= 0, "max_steps", self.max_steps,
+                 "must be 0 or more")
+        _require(self.batch_size >= 1, "batch_size", self.batch_size, "must be at least 1")
+        _require(self.lr > 0, "lr", self.lr, "must be positive")
+        _require(self.seed >= 0, "seed", self.seed, "must be 0 or more")
+        _require(self.device in DEVICES, "device", self.device, f"must be one of {', '.join(DEVICES)}")
+        _require(self.lr_schedule in LR_SCHEDULES, "lr_schedule", self.lr_schedule,
+                 f"must be one of {', '.join(LR_SCHEDULES)}")
+        _require(self.checkpoint_steps is None or self.checkpoint_steps >= 1, "checkpoint_steps",
+                 self.checkpoint_steps, "must be at least 1")
+        _require(self.keep >= 1, "keep", self.keep, "must be at least 1 (the newest checkpoint is always kept)")
+        _require(self.log_every >= 1, "log_every", self.log_every, "must be at least 1")
+        _require(self.task == "mnist", "task", self.task, "only 'mnist' is built in")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def computation(self) -> dict[str, Any]:
+        """The fields that must match a checkpoint to resume it exactly."""
+        return {name: getattr(self, name) for name in COMPUTATION_FIELDS}
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """Build from a (possibly older) saved dict, ignoring fields this version does not know."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _require(ok: bool, field: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}={value!r} {why}")

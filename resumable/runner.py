@@ -1,0 +1,196 @@
+"""Start-up for ``resumable-train``: decide fresh vs resume, reconcile the config with the checkpoint,
+build the MNIST task, and hand off to the loop."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, checkpoints_dir, describe_age
+from .config import COMPUTATION_FIELDS, TrainConfig
+from .errors import ConfigMismatch, NothingToResume, ResumableError, RunDirInUse
+from .loop import Loop, LoopPlan
+from .metrics import MetricsLog
+from .sampler import ResumableSampler
+from .session import Session
+from .state import TrainState, seed_everything
+from .tasks import mnist
+
+# Options that belong to this invocation only and are never taken from a checkpoint.
+_SESSION_LOCAL = ("run_dir", "progress", "download")
+
+
+def say(message: str) -> None:
+    print(f"resumable: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Startup:
+    config: TrainConfig
+    checkpoint: CheckpointInfo | None  # newest valid checkpoint whose config fits, None = fresh
+
+
+def resolve_config(explicit: dict[str, Any], saved: dict[str, Any] | None) -> TrainConfig:
+    """Options given on the command line win; the rest come from the checkpoint (when resuming) or the
+    defaults. A computation field given explicitly must equal the checkpoint's."""
+    if saved is None:
+        return TrainConfig(**explicit)
+    base = {k: v for k, v in TrainConfig.from_dict(saved).to_dict().items() if k not in _SESSION_LOCAL}
+    for name in COMPUTATION_FIELDS:
+        if name in explicit and explicit[name] != base.get(name):
+            raise ConfigMismatch(name, base.get(name), explicit[name], explicit.get("run_dir", "?"))
+    return TrainConfig(**{**base, **explicit})
+
+
+def choose_start(explicit: dict[str, Any], mode: str, overwrite: bool) -> tuple[Startup, list[CheckpointInfo]]:
+    """Pick the checkpoint to resume (or none) without modifying anything on disk."""
+    run_dir = explicit.get("run_dir", TrainConfig.run_dir)
+    manager = CheckpointManager(checkpoints_dir(run_dir))
+    infos = manager.inspect(deep=True)
+    committed = [i for i in infos if i.committed]
+    if mode == "fresh":
+        if committed and not overwrite:
+            raise RunDirInUse(f"{run_dir} already has {len(committed)} checkpoint(s) (newest step "
+                              f"{committed[-1].step}); --fresh would discard them. Add --overwrite to delete them, "
+                              f"or choose another --run-dir")
+        return Startup(TrainConfig(**explicit), None), infos
+    valid = [i for i in infos if i.valid]
+    if not valid:
+        if mode == "resume":
+            found = "; ".join(f"step {i.step}: {i.reason}" for i in infos) or "no checkpoints at all"
+            raise NothingToResume(f"--resume needs a valid checkpoint in {checkpoints_dir(run_dir)}, found: {found}. "
+                                  f"Run without --resume to start fresh")
+        if committed:
+            found = "; ".join(f"step {i.step}: {i.reason}" for i in committed)
+            raise NothingToResume(f"{run_dir} has checkpoints but none is valid ({found}); refusing to start over "
+                                  f"on top of them. Use --fresh --overwrite to discard them, or another --run-dir")
+        return Startup(TrainConfig(**explicit), None), infos
+    latest = valid[-1]
+    return Startup(resolve_config(explicit, latest.manifest.get("config")), latest), infos
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ResumableError("--device cuda was given but CUDA is not available here; use --device cpu or auto")
+    return torch.device(name)
+
+
+def _build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, batches_per_epoch: int):
+    if cfg.lr_schedule == "step":
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    if cfg.lr_schedule == "onecycle":
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=cfg.lr,
+                                                   total_steps=cfg.epochs * batches_per_epoch)
+    return None
+
+
+def _computation(cfg: TrainConfig, dataset: dict[str, Any], batches_per_epoch: int) -> dict[str, Any]:
+    comp = {**cfg.computation(), "dataset": dataset}
+    if cfg.lr_schedule == "onecycle":
+        comp["epochs"] = cfg.epochs  # the one-cycle schedule length depends on it
+    return comp
+
+
+def _check_computation(saved: dict[str, Any], current: dict[str, Any], run_dir: str) -> None:
+    for key in sorted(set(saved) | set(current)):
+        if saved.get(key) != current.get(key):
+            raise ConfigMismatch(key, saved.get(key), current.get(key), run_dir)
+
+
+def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False) -> int:
+    """Run ``resumable-train``; returns the process exit code."""
+    startup, infos = choose_start(explicit, mode, overwrite)
+    cfg = startup.config
+    run_dir = Path(cfg.run_dir)
+    manager = CheckpointManager(checkpoints_dir(run_dir))
+    device = _pick_device(cfg.device)
+    data = mnist.load_mnist(cfg.data_dir, device, download=cfg.download)
+
+    seed_everything(cfg.seed)
+    model = mnist.Net().to(device)
+    optimizer = mnist.make_optimizer(model, cfg.lr, device)
+    sampler = ResumableSampler(len(data.train), cfg.batch_size, cfg.seed)
+    scheduler = _build_scheduler(cfg, optimizer, sampler.batches_per_epoch)
+    computation = _computation(cfg, data.identity, sampler.batches_per_epoch)
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    state = TrainState()
+    session = Session(manager, {"model": model, "optimizer": optimizer, "scheduler": scheduler,
+                                "sampler": sampler},
+                      state, meta={"config": cfg.to_dict(), "computation": computation,
+                                   "device": str(device)},
+                      keep=cfg.keep, keep_best=cfg.keep_best, before_commit=metrics.sync)
+
+    if mode == "fresh" and overwrite:
+        manager.delete_all()
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    if startup.checkpoint is not None:
+        _resume(session, [i for i in infos if i.valid or i.committed], computation, cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    manager.cleanup_incomplete()
+    metrics.rollback(state.step)
+
+    def train_step(indices: torch.Tensor) -> torch.Tensor:
+        images, labels = data.train.images[indices], data.train.labels[indices]
+        optimizer.zero_grad(set_to_none=True)
+        loss = mnist.loss_fn(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        if cfg.lr_schedule == "onecycle":
+            scheduler.step()
+        return loss
+
+    def end_epoch(epoch: int) -> dict[str, float]:
+        test_loss, test_acc = mnist.evaluate(model, data.test)
+        if cfg.lr_schedule == "step":
+            scheduler.step()
+        return {"test_loss": test_loss, "test_acc": test_acc}
+
+    plan = LoopPlan(epochs=cfg.epochs, max_steps=cfg.max_steps, checkpoint_steps=cfg.checkpoint_steps,
+                    log_every=cfg.log_every, progress=cfg.progress)
+    loop = Loop(session, sampler, plan, metrics, train_step, end_epoch,
+                current_lr=lambda: optimizer.param_groups[0]["lr"], device=device)
+    if loop.finished():
+        say(f"run in {run_dir} is already complete at step {state.step} (epoch {state.epoch}); "
+            f"raise --epochs or --max-steps to train further")
+        return 0
+    say(f"training on {device} with {torch.get_num_threads()} CPU thread(s): step {state.step} → "
+        f"{loop.total_steps}, checkpoints in {manager.root}")
+    try:
+        loop.run()
+    finally:
+        metrics.close()
+    say(f"done at step {state.step}; newest checkpoint {manager.root / f'step-{state.step:09d}'}")
+    return 0
+
+
+def _resume(session: Session, infos: list[CheckpointInfo], computation: dict[str, Any], cfg: TrainConfig) -> None:
+    """Restore the newest checkpoint that verifies and loads, warning about each newer one skipped."""
+    for info in reversed(infos):
+        if not info.valid:
+            say(f"warning: skipping checkpoint step {info.step} ({info.path}): {info.reason}")
+            continue
+        _check_computation(info.manifest.get("computation", {}), computation, cfg.run_dir)
+        threads = info.manifest.get("num_threads")
+        if isinstance(threads, int) and threads != torch.get_num_threads():
+            say(f"setting torch threads to {threads} (was {torch.get_num_threads()}) as recorded in the "
+                f"checkpoint, so CPU results stay bit-identical")
+            torch.set_num_threads(threads)
+        try:
+            session.restore(info)
+        except InvalidCheckpoint as e:  # raised before any object is modified
+            say(f"warning: skipping checkpoint step {info.step} ({info.path}): {e}")
+            continue
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise ResumableError(f"the checkpoint {info.path} does not fit this model/optimizer ({e}); use the "
+                                 f"matching options, or start over with --fresh --overwrite") from e
+        say(f"resuming from step {info.step} (epoch {session.state.epoch}, batch {session.state.batch_in_epoch}), "
+            f"saved {describe_age(info.created)}")
+        return
+    raise ResumableError("no checkpoint could be loaded (see the warnings above); start over with --fresh "
+                         "--overwrite or use another --run-dir")

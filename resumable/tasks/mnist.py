@@ -1,0 +1,141 @@
+"""The seed task: the CNN of the classic Colab MNIST guide, and MNIST as device-resident tensors."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MEAN, STD = 0.1307, 0.3081
+RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+             "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+class DataUnavailable(Exception):
+    """MNIST files are missing and could not be downloaded; the message says where to put them."""
+
+
+class Net(nn.Module):
+    """Conv(1,32,3) → ReLU → Conv(32,64,3) → ReLU → maxpool 2 → Dropout .25 → FC 9216→128 → ReLU →
+    Dropout .5 → FC 128→10 → log_softmax, exactly as in the guide."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))
+        x = F.relu(self.conv2(x))
+        x = F.max_pool2d(x, 2)
+        x = self.dropout1(x)
+        x = torch.flatten(x, 1)
+        x = F.relu(self.fc1(x))
+        x = self.dropout2(x)
+        return F.log_softmax(self.fc2(x), dim=1)
+
+
+def loss_fn(log_probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    # The guide feeds log_softmax output to CrossEntropyLoss, which applies log_softmax a second time.
+    # NLL on the log-probabilities is the loss the model was designed for.
+    return F.nll_loss(log_probs, target)
+
+
+def make_optimizer(model: nn.Module, lr: float, device: torch.device) -> torch.optim.Optimizer:
+    """Adam as in the guide. The fused kernel (one pass over all parameters) is used where this torch
+    has it for ``device``; it computes the same update with fewer passes over memory."""
+    try:
+        return torch.optim.Adam(model.parameters(), lr=lr, fused=True)
+    except (RuntimeError, TypeError):
+        return torch.optim.Adam(model.parameters(), lr=lr)
+
+
+@dataclass
+class TensorSplit:
+    """A dataset split already normalised and resident on the training device."""
+
+    images: torch.Tensor  # float32 [N, 1, 28, 28]
+    labels: torch.Tensor  # int64 [N]
+
+    def __len__(self) -> int:
+        return self.labels.shape[0]
+
+
+@dataclass
+class MnistData:
+    train: TensorSplit
+    test: TensorSplit
+    identity: dict[str, object]  # what a checkpoint must match: name, sizes, content hash
+
+
+def expected_location(data_dir: str | Path) -> Path:
+    return Path(data_dir) / "MNIST" / "raw"
+
+
+def _missing(data_dir: Path) -> list[str]:
+    raw = expected_location(data_dir)
+    return [name for name in RAW_FILES if not (raw / name).is_file() and not (raw / f"{name}.gz").is_file()]
+
+
+def _load_split(data_dir: Path, train: bool, download: bool):
+    from torchvision import datasets  # imported lazily: it is slow and only needed here
+
+    return datasets.MNIST(root=str(data_dir), train=train, download=download)
+
+
+def load_mnist(data_dir: str | Path, device: torch.device, download: bool = True) -> MnistData:
+    """Read MNIST (torchvision layout ``DATA_DIR/MNIST/raw``) once and keep it on ``device``.
+
+    Normalisation matches ``ToTensor()`` + ``Normalize((0.1307,), (0.3081,))`` bit for bit.
+    """
+    data_dir = Path(data_dir)
+    missing = _missing(data_dir)
+    if missing and not download:
+        raise DataUnavailable(_where_message(data_dir, missing, "downloading is off (--no-download)"))
+    try:
+        splits = [_load_split(data_dir, train, download=bool(missing)) for train in (True, False)]
+    except (RuntimeError, OSError, ValueError) as e:
+        raise DataUnavailable(_where_message(data_dir, _missing(data_dir) or missing,
+                                             f"the download failed: {e}")) from e
+    digest = hashlib.sha256()
+    tensors = []
+    for split in splits:
+        raw = split.data.contiguous()
+        digest.update(raw.numpy().tobytes())
+        digest.update(split.targets.numpy().tobytes())
+        images = ((raw.to(torch.float32) / 255.0) - MEAN) / STD
+        tensors.append(TensorSplit(images.unsqueeze(1).to(device), split.targets.to(torch.int64).to(device)))
+    identity = {"name": "mnist", "train_size": len(tensors[0]), "test_size": len(tensors[1]),
+                "sha256": digest.hexdigest()[:16]}
+    return MnistData(tensors[0], tensors[1], identity)
+
+
+def _where_message(data_dir: Path, missing: list[str], why: str) -> str:
+    return (f"MNIST files are missing in {expected_location(data_dir)} ({', '.join(missing)}) and {why}. "
+            f"Copy the four MNIST files (train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+            f"t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, optionally .gz) into that folder, "
+            f"or pass --data-dir pointing at a folder that has MNIST/raw/ inside.")
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, split: TensorSplit, batch_size: int = 1000) -> tuple[float, float]:
+    """Mean NLL loss and accuracy on ``split``; leaves the model in train mode."""
+    model.eval()
+    total_loss = torch.zeros((), dtype=torch.float64, device=split.labels.device)
+    correct = torch.zeros((), dtype=torch.int64, device=split.labels.device)
+    for start in range(0, len(split), batch_size):
+        images = split.images[start:start + batch_size]
+        labels = split.labels[start:start + batch_size]
+        log_probs = model(images)
+        total_loss += F.nll_loss(log_probs, labels, reduction="sum").double()
+        correct += (log_probs.argmax(dim=1) == labels).sum()
+    model.train()
+    return total_loss.item() / len(split), correct.item() / len(split)

@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torchvision import datasets, transforms
+
+from resumable.tasks import mnist
+
+
+def test_tiny_idx_loads_through_torchvision_and_matches_guide_transform(tiny_mnist: Path) -> None:
+    data = mnist.load_mnist(tiny_mnist, torch.device("cpu"), download=False)
+    assert data.train.images.shape == (96, 1, 28, 28)
+    assert data.test.images.shape == (40, 1, 28, 28)
+    assert data.train.labels.dtype == torch.int64
+    guide = datasets.MNIST(str(tiny_mnist), train=True, download=False,
+                           transform=transforms.Compose([transforms.ToTensor(),
+                                                         transforms.Normalize((0.1307,), (0.3081,))]))
+    for i in (0, 17, 95):
+        image, label = guide[i]
+        assert torch.equal(data.train.images[i], image), "normalisation must match ToTensor+Normalize bit for bit"
+        assert data.train.labels[i].item() == label
+
+
+def test_identity_depends_on_content(tiny_mnist: Path, tmp_path: Path) -> None:
+    from conftest import make_tiny_mnist
+
+    other = make_tiny_mnist(tmp_path / "other", seed=1)
+    a = mnist.load_mnist(tiny_mnist, torch.device("cpu"), download=False).identity
+    b = mnist.load_mnist(other, torch.device("cpu"), download=False).identity
+    assert a["train_size"] == b["train_size"] and a["sha256"] != b["sha256"]
+
+
+def test_missing_files_without_download_names_location(tmp_path: Path) -> None:
+    with pytest.raises(mnist.DataUnavailable) as err:
+        mnist.load_mnist(tmp_path, torch.device("cpu"), download=False)
+    message = str(err.value)
+    assert str(tmp_path / "MNIST" / "raw") in message and "--data-dir" in message
+
+
+def test_failed_download_is_data_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Port 1 on loopback refuses at once: a download that fails without touching the network.
+    monkeypatch.setattr(datasets.MNIST, "mirrors", ["http://127.0.0.1:1/"])
+    with pytest.raises(mnist.DataUnavailable) as err:
+        mnist.load_mnist(tmp_path, torch.device("cpu"), download=True)
+    assert "download failed" in str(err.value)
+
+
+def test_model_shape_and_log_probs() -> None:
+    model = mnist.Net()
+    out = model(torch.zeros(3, 1, 28, 28))
+    assert out.shape == (3, 10)
+    assert torch.allclose(out.exp().sum(1), torch.ones(3), atol=1e-5)
+    assert sum(p.numel() for p in model.parameters()) == 1_199_882
