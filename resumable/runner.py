@@ -4,7 +4,8 @@ build the MNIST task, and hand off to the loop."""
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,8 @@ def say(message: str) -> None:
 @dataclass
 class Startup:
     config: TrainConfig
-    checkpoint: CheckpointInfo | None  # newest valid checkpoint whose config fits, None = fresh
+    checkpoint: CheckpointInfo | None = None  # newest valid checkpoint, None = start fresh
+    skipped: list[CheckpointInfo] = field(default_factory=list)  # newer ones that failed verification
 
 
 def resolve_config(explicit: dict[str, Any], saved: dict[str, Any] | None) -> TrainConfig:
@@ -46,31 +48,31 @@ def resolve_config(explicit: dict[str, Any], saved: dict[str, Any] | None) -> Tr
     return TrainConfig(**{**base, **explicit})
 
 
-def choose_start(explicit: dict[str, Any], mode: str, overwrite: bool) -> tuple[Startup, list[CheckpointInfo]]:
+def choose_start(explicit: dict[str, Any], mode: str, overwrite: bool) -> Startup:
     """Pick the checkpoint to resume (or none) without modifying anything on disk."""
     run_dir = explicit.get("run_dir", TrainConfig.run_dir)
     manager = CheckpointManager(checkpoints_dir(run_dir))
-    infos = manager.inspect(deep=True)
+    infos = manager.inspect(deep=False)
     committed = [i for i in infos if i.committed]
     if mode == "fresh":
         if committed and not overwrite:
             raise RunDirInUse(f"{run_dir} already has {len(committed)} checkpoint(s) (newest step "
                               f"{committed[-1].step}); --fresh would discard them. Add --overwrite to delete them, "
                               f"or choose another --run-dir")
-        return Startup(TrainConfig(**explicit), None), infos
-    valid = [i for i in infos if i.valid]
-    if not valid:
+        return Startup(TrainConfig(**explicit))
+    latest, skipped = manager.latest_valid()  # hashes newest-first, stops at the first valid one
+    if latest is None:
+        infos = skipped[::-1]
         if mode == "resume":
             found = "; ".join(f"step {i.step}: {i.reason}" for i in infos) or "no checkpoints at all"
             raise NothingToResume(f"--resume needs a valid checkpoint in {checkpoints_dir(run_dir)}, found: {found}. "
                                   f"Run without --resume to start fresh")
         if committed:
-            found = "; ".join(f"step {i.step}: {i.reason}" for i in committed)
+            found = "; ".join(f"step {i.step}: {i.reason}" for i in infos if i.committed)
             raise NothingToResume(f"{run_dir} has checkpoints but none is valid ({found}); refusing to start over "
                                   f"on top of them. Use --fresh --overwrite to discard them, or another --run-dir")
-        return Startup(TrainConfig(**explicit), None), infos
-    latest = valid[-1]
-    return Startup(resolve_config(explicit, latest.manifest.get("config")), latest), infos
+        return Startup(TrainConfig(**explicit))
+    return Startup(resolve_config(explicit, latest.manifest.get("config")), latest, skipped)
 
 
 def _pick_device(name: str) -> torch.device:
@@ -105,7 +107,7 @@ def _check_computation(saved: dict[str, Any], current: dict[str, Any], run_dir: 
 
 def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False) -> int:
     """Run ``resumable-train``; returns the process exit code."""
-    startup, infos = choose_start(explicit, mode, overwrite)
+    startup = choose_start(explicit, mode, overwrite)
     cfg = startup.config
     run_dir = Path(cfg.run_dir)
     manager = CheckpointManager(checkpoints_dir(run_dir))
@@ -130,7 +132,7 @@ def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False)
         manager.delete_all()
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     if startup.checkpoint is not None:
-        _resume(session, [i for i in infos if i.valid or i.committed], computation, cfg)
+        _resume(session, startup, computation, cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     manager.cleanup_incomplete()
     metrics.rollback(state.step)
@@ -155,7 +157,7 @@ def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False)
                     log_every=cfg.log_every, progress=cfg.progress)
     loop = Loop(session, sampler, plan, metrics, train_step, end_epoch,
                 current_lr=lambda: optimizer.param_groups[0]["lr"], device=device)
-    if loop.finished():
+    if loop.finished() and session.resumed_from is not None:
         say(f"run in {run_dir} is already complete at step {state.step} (epoch {state.epoch}); "
             f"raise --epochs or --max-steps to train further")
         return 0
@@ -169,9 +171,19 @@ def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False)
     return 0
 
 
-def _resume(session: Session, infos: list[CheckpointInfo], computation: dict[str, Any], cfg: TrainConfig) -> None:
-    """Restore the newest checkpoint that verifies and loads, warning about each newer one skipped."""
-    for info in reversed(infos):
+def _candidates(manager: CheckpointManager, startup: Startup) -> Iterator[CheckpointInfo]:
+    """The skipped newer directories, the chosen checkpoint, then older ones verified lazily."""
+    assert startup.checkpoint is not None
+    yield from startup.skipped
+    yield startup.checkpoint
+    for step, path in reversed(manager.step_dirs()):
+        if step < startup.checkpoint.step:
+            yield manager.check(step, path, deep=True)
+
+
+def _resume(session: Session, startup: Startup, computation: dict[str, Any], cfg: TrainConfig) -> None:
+    """Restore the newest checkpoint that verifies and loads, warning about each one skipped."""
+    for info in _candidates(session.manager, startup):
         if not info.valid:
             say(f"warning: skipping checkpoint step {info.step} ({info.path}): {info.reason}")
             continue
