@@ -81,3 +81,45 @@ class TrainConfig:
 def _require(ok: bool, field: str, value: Any, why: str) -> None:
     if not ok:
         raise ValueError(f"{field}={value!r} {why}")
+
+
+_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration such as ``"90s"``, ``"5m"``, ``"1h30m"``, ``"2h"`` or a bare number of seconds.
+
+    >>> parse_duration("1h30m")
+    5400.0
+    """
+    source = text.strip().lower()
+    if not source:
+        raise ValueError("empty duration; use e.g. 90s, 5m or 1h30m")
+    try:
+        seconds = float(source)
+    except ValueError:
+        seconds = None
+    if seconds is None:
+        seconds, number, seen = 0.0, "", ""
+        for char in source:
+            if char.isdigit() or char == ".":
+                number += char
+            elif char in _UNITS and number and char not in seen:
+                seconds += float(number) * _UNITS[char]
+                number, seen = "", seen + char
+            else:
+                raise ValueError(f"duration {text!r} is not like 90s, 5m or 1h30m")
+        if number:
+            raise ValueError(f"duration {text!r} has a number without a unit (s, m or h) at the end")
+    if seconds <= 0:
+        raise ValueError(f"duration {text!r} must be positive")
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """Inverse of :func:`parse_duration` for display: ``5400`` → ``"1h30m"``."""
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = [f"{v}{u}" for v, u in ((hours, "h"), (minutes, "m"), (secs, "s")) if v]
+    return "".join(parts) or "0s"

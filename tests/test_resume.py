@@ -162,3 +162,21 @@ def test_retention_keeps_newest_and_best(tiny_mnist: Path, tmp_path: Path) -> No
     best = max((i for i in infos if i.test_acc is not None), key=lambda i: (i.test_acc, -i.step))
     assert steps[-2:] == [TOTAL - 1, TOTAL] and set(steps) <= {best.step, TOTAL - 1, TOTAL}
     assert all(i.valid for i in infos)
+
+
+def test_malicious_newest_payload_is_refused_and_skipped(tiny_mnist: Path, tmp_path: Path) -> None:
+    from test_checkpoint import Evil
+
+    from resumable.checkpoint import format as fmt
+
+    train(tmp_path, tiny_mnist, "--max-steps", "4", "--checkpoint-steps", "2")
+    newest = checkpoints_dir(tmp_path) / "step-000000004"
+    Evil.marker = tmp_path / "pwned"
+    entry = fmt.write_payload(newest, {"model": Evil()})  # a consistent manifest: only weights_only stops it
+    manifest = json.loads((newest / "manifest.json").read_text())
+    manifest["files"]["state.pt"] = entry
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    output = train(tmp_path, tiny_mnist, "--max-steps", "6")
+    assert "skipping checkpoint step 4" in output and "refused" in output
+    assert "resuming from step 2" in output
+    assert not (tmp_path / "pwned").exists()

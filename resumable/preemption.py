@@ -1,0 +1,106 @@
+"""Knowing when to stop: signal flags and the session time budget.
+
+Signal handlers only set a flag; the loop commits a checkpoint at the next step boundary and the process
+exits with :data:`EXIT_RESUME` ("stopped early, state committed, run again to continue"). A second
+SIGINT raises KeyboardInterrupt at once; the last committed checkpoint stays valid.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+EXIT_RESUME = 75  # EX_TEMPFAIL
+COLAB_VM_LIFETIME_S = 12 * 3600.0
+COLAB_SAFETY_S = 20 * 60.0
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+
+
+class StopFlag:
+    """Installs handlers for SIGTERM, SIGINT and SIGUSR1 while active; restores the old ones on exit.
+
+    >>> with StopFlag() as flag:
+    ...     flag.requested is None
+    True
+    """
+
+    def __init__(self, signals: tuple[str, ...] = STOP_SIGNALS) -> None:
+        self.signals = [getattr(signal, name) for name in signals if hasattr(signal, name)]
+        self.requested: str | None = None  # name of the first signal received
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.requested == "SIGINT" and name == "SIGINT":
+            raise KeyboardInterrupt  # second Ctrl-C: stop now
+        if self.requested is None:
+            self.requested = name
+
+    def __enter__(self) -> StopFlag:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.signals:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+
+def in_colab() -> bool:
+    return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
+
+
+def vm_uptime_s() -> float | None:
+    try:
+        with open("/proc/uptime", encoding="ascii") as handle:
+            return float(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def colab_default_limit_s() -> float | None:
+    """Seconds left before Colab's ~12 h VM lifetime, less a safety margin, counted from VM boot (a
+    notebook may have run for hours before this process started). None outside Colab."""
+    if not in_colab():
+        return None
+    uptime = vm_uptime_s()
+    if uptime is None:
+        return None
+    return max(COLAB_VM_LIFETIME_S - COLAB_SAFETY_S - uptime, 60.0)
+
+
+class Budget:
+    """A wall-clock deadline for this session, checked before each step.
+
+    ``fits(step_s, save_s)`` is False once the next step plus a final save (with a margin) would no
+    longer finish before the deadline.
+    """
+
+    def __init__(self, limit_s: float | None, start: float | None = None, margin: float = 1.5,
+                 floor_s: float = 1.0) -> None:
+        self.limit_s = limit_s
+        self.start = time.monotonic() if start is None else start
+        self.margin = margin
+        self.floor_s = floor_s
+
+    @property
+    def deadline(self) -> float | None:
+        return None if self.limit_s is None else self.start + self.limit_s
+
+    def remaining(self, now: float | None = None) -> float | None:
+        if self.deadline is None:
+            return None
+        return self.deadline - (time.monotonic() if now is None else now)
+
+    def fits(self, step_s: float, save_s: float, now: float | None = None) -> bool:
+        remaining = self.remaining(now)
+        if remaining is None:
+            return True
+        return remaining > (step_s + save_s) * self.margin + self.floor_s
