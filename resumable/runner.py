@@ -115,7 +115,7 @@ def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False)
     data = mnist.load_mnist(cfg.data_dir, device, download=cfg.download)
 
     seed_everything(cfg.seed)
-    model = mnist.Net().to(device)
+    model = mnist.build_model(device)
     optimizer = mnist.make_optimizer(model, cfg.lr, device)
     sampler = ResumableSampler(len(data.train), cfg.batch_size, cfg.seed)
     scheduler = _build_scheduler(cfg, optimizer, sampler.batches_per_epoch)

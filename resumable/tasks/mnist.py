@@ -19,6 +19,21 @@ class DataUnavailable(Exception):
     """MNIST files are missing and could not be downloaded; the message says where to put them."""
 
 
+class Dropout(nn.Dropout):
+    """``nn.Dropout`` with the same distribution (keep each element with probability 1-p, scale by 1/(1-p)).
+
+    On the CPU the mask is drawn as ``rand >= p``: ``bernoulli_`` there is about 2.5x slower than a
+    uniform draw plus a compare, and dropout was ~10% of a training step. On CUDA the fused native kernel
+    is used.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0 or x.is_cuda:
+            return super().forward(x)
+        keep = (torch.rand_like(x) >= self.p).to(x.dtype)
+        return x * keep * (1.0 / (1.0 - self.p))
+
+
 class Net(nn.Module):
     """Conv(1,32,3) → ReLU → Conv(32,64,3) → ReLU → maxpool 2 → Dropout .25 → FC 9216→128 → ReLU →
     Dropout .5 → FC 128→10 → log_softmax, exactly as in the guide."""
@@ -27,8 +42,8 @@ class Net(nn.Module):
         super().__init__()
         self.conv1 = nn.Conv2d(1, 32, 3, 1)
         self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        self.dropout1 = nn.Dropout(0.25)
-        self.dropout2 = nn.Dropout(0.5)
+        self.dropout1 = Dropout(0.25)
+        self.dropout2 = Dropout(0.5)
         self.fc1 = nn.Linear(9216, 128)
         self.fc2 = nn.Linear(128, 10)
 
@@ -47,6 +62,12 @@ def loss_fn(log_probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     # The guide feeds log_softmax output to CrossEntropyLoss, which applies log_softmax a second time.
     # NLL on the log-probabilities is the loss the model was designed for.
     return F.nll_loss(log_probs, target)
+
+
+def build_model(device: torch.device) -> Net:
+    """The seed CNN on ``device`` in channels_last layout, which lets oneDNN/cuDNN use their fastest
+    convolution and pooling kernels (about 10% faster per step on a 2-core CPU)."""
+    return Net().to(device, memory_format=torch.channels_last)
 
 
 def make_optimizer(model: nn.Module, lr: float, device: torch.device) -> torch.optim.Optimizer:
@@ -112,7 +133,8 @@ def load_mnist(data_dir: str | Path, device: torch.device, download: bool = True
         digest.update(raw.numpy().tobytes())
         digest.update(split.targets.numpy().tobytes())
         images = ((raw.to(torch.float32) / 255.0) - MEAN) / STD
-        tensors.append(TensorSplit(images.unsqueeze(1).to(device), split.targets.to(torch.int64).to(device)))
+        images = images.unsqueeze(1).to(device).contiguous(memory_format=torch.channels_last)
+        tensors.append(TensorSplit(images, split.targets.to(torch.int64).to(device)))
     identity = {"name": "mnist", "train_size": len(tensors[0]), "test_size": len(tensors[1]),
                 "sha256": digest.hexdigest()[:16]}
     return MnistData(tensors[0], tensors[1], identity)
@@ -126,8 +148,10 @@ def _where_message(data_dir: Path, missing: list[str], why: str) -> str:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, split: TensorSplit, batch_size: int = 1000) -> tuple[float, float]:
-    """Mean NLL loss and accuracy on ``split``; leaves the model in train mode."""
+def evaluate(model: nn.Module, split: TensorSplit, batch_size: int = 128) -> tuple[float, float]:
+    """Mean NLL loss and accuracy on ``split``; leaves the model in train mode.
+
+    Small batches keep activations in cache: on a 2-core CPU, batch 128 evaluates 3x faster than 1000."""
     model.eval()
     total_loss = torch.zeros((), dtype=torch.float64, device=split.labels.device)
     correct = torch.zeros((), dtype=torch.int64, device=split.labels.device)
