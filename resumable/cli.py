@@ -10,11 +10,31 @@ from typing import Any
 
 import click
 
-from .config import DEVICES, LR_SCHEDULES, TrainConfig
+from .config import AMP_MODES, DEVICES, LR_SCHEDULES, TrainConfig, parse_duration
 
 # click parameter name -> TrainConfig field, for options that map one to one.
 _CONFIG_OPTIONS = ("run_dir", "data_dir", "epochs", "max_steps", "batch_size", "lr", "seed", "device",
-                   "lr_schedule", "checkpoint_steps", "keep", "keep_best", "log_every", "download", "progress")
+                   "lr_schedule", "amp", "checkpoint_steps", "checkpoint_every", "mtbf", "time_limit",
+                   "sync_checkpoints", "keep", "keep_best", "log_every", "download", "progress")
+
+
+class Duration(click.ParamType):
+    """A duration such as 90s, 5m or 1h30m (kept as text; parsed in one place, config.parse_duration)."""
+
+    name = "duration"
+
+    def __init__(self, allow: tuple[str, ...] = ()) -> None:
+        self.allow = allow
+
+    def convert(self, value, param, ctx):  # noqa: ANN001 - click's signature
+        if value is None or value in self.allow:
+            return value
+        try:
+            parse_duration(str(value))
+        except ValueError as e:
+            extra = f" or {' / '.join(self.allow)}" if self.allow else ""
+            self.fail(f"{e}{extra}", param, ctx)
+        return str(value)
 
 
 def _writable_dir(path: str) -> bool:
@@ -46,8 +66,20 @@ def _fail(message: str) -> None:
 @click.option("--device", type=click.Choice(DEVICES), default=TrainConfig.device, show_default=True)
 @click.option("--lr-schedule", type=click.Choice(LR_SCHEDULES), default=TrainConfig.lr_schedule,
               show_default=True, help="step: x0.7 each epoch; onecycle: OneCycleLR over the whole run.")
+@click.option("--amp", type=click.Choice(AMP_MODES), default=TrainConfig.amp, show_default=True,
+              help="Mixed precision: bf16, or fp16 with a GradScaler.")
 @click.option("--checkpoint-steps", type=click.IntRange(min=1), default=None,
               help="Also checkpoint every N optimizer steps (always at each epoch end and at the end).")
+@click.option("--checkpoint-every", type=Duration(allow=("auto",)), default=TrainConfig.checkpoint_every,
+              show_default=True, help="Checkpoint every DURATION of wall clock (90s, 5m, 1h30m), or 'auto': "
+              "sqrt(2 x save cost x --mtbf), within 30s..30m.")
+@click.option("--mtbf", type=Duration(), default=TrainConfig.mtbf, show_default=True,
+              help="Expected time between failures, for --checkpoint-every auto.")
+@click.option("--time-limit", type=Duration(), default=None,
+              help="Session budget: commit a checkpoint and exit 75 before this much time has passed "
+              "(counted from process start). In Colab it defaults to the time left before the 12 h VM limit.")
+@click.option("--sync-checkpoints", is_flag=True, default=False,
+              help="Write checkpoints on the training thread instead of in the background.")
 @click.option("--keep", type=click.IntRange(min=1), default=TrainConfig.keep, show_default=True,
               help="Number of newest checkpoints to keep.")
 @click.option("--keep-best/--no-keep-best", default=TrainConfig.keep_best, show_default=True,
@@ -82,7 +114,8 @@ def train_command(ctx: click.Context, mode: str | None, overwrite: bool, **optio
     except ValueError as e:
         raise click.UsageError(str(e)) from e
 
-    from .errors import ResumableError  # heavy imports after cheap validation
+    from .checkpoint.writer import SaveFailed  # heavy imports after cheap validation
+    from .errors import ResumableError
     from .runner import train
     from .tasks.mnist import DataUnavailable
 
@@ -90,6 +123,9 @@ def train_command(ctx: click.Context, mode: str | None, overwrite: bool, **optio
         code = train(explicit, mode=mode or "auto", overwrite=overwrite)
     except (ResumableError, DataUnavailable) as e:
         _fail(str(e))
+    except SaveFailed as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
     except KeyboardInterrupt:
         click.echo("interrupted; the newest committed checkpoint is intact — run the same command to "
                    "continue", err=True)

@@ -14,10 +14,12 @@ from typing import Any
 
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("none", "step", "onecycle")
-RESUME_MODES = ("auto", "resume", "fresh")
+AMP_MODES = ("none", "bf16", "fp16")
 
 # Fields whose change alters the computation; checked against the checkpoint on resume.
-COMPUTATION_FIELDS = ("task", "batch_size", "seed", "lr", "lr_schedule")
+COMPUTATION_FIELDS = ("task", "batch_size", "seed", "lr", "lr_schedule", "amp")
+# Fields that belong to one invocation and are never inherited from a checkpoint.
+SESSION_FIELDS = ("run_dir", "progress", "download", "time_limit")
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,12 @@ class TrainConfig:
     seed: int = 1
     device: str = "auto"
     lr_schedule: str = "none"
+    amp: str = "none"
     checkpoint_steps: int | None = None
+    checkpoint_every: str | None = "5m"  # a duration, or "auto" (Young's formula with mtbf)
+    mtbf: str = "1h"
+    time_limit: str | None = None
+    sync_checkpoints: bool = False
     keep: int = 3
     keep_best: bool = True
     log_every: int = 10
@@ -55,11 +62,30 @@ class TrainConfig:
         _require(self.device in DEVICES, "device", self.device, f"must be one of {', '.join(DEVICES)}")
         _require(self.lr_schedule in LR_SCHEDULES, "lr_schedule", self.lr_schedule,
                  f"must be one of {', '.join(LR_SCHEDULES)}")
+        _require(self.amp in AMP_MODES, "amp", self.amp, f"must be one of {', '.join(AMP_MODES)}")
+        for name in ("checkpoint_every", "mtbf", "time_limit"):
+            value = getattr(self, name)
+            if value is not None and not (name == "checkpoint_every" and value == "auto"):
+                try:
+                    parse_duration(value)
+                except ValueError as e:
+                    raise ValueError(f"{name}={value!r}: {e}") from None
         _require(self.checkpoint_steps is None or self.checkpoint_steps >= 1, "checkpoint_steps",
                  self.checkpoint_steps, "must be at least 1")
         _require(self.keep >= 1, "keep", self.keep, "must be at least 1 (the newest checkpoint is always kept)")
         _require(self.log_every >= 1, "log_every", self.log_every, "must be at least 1")
         _require(self.task == "mnist", "task", self.task, "only 'mnist' is built in")
+
+    @property
+    def checkpoint_every_s(self) -> float | None:
+        """Fixed wall-clock interval in seconds; None when off or auto."""
+        if self.checkpoint_every in (None, "auto"):
+            return None
+        return parse_duration(self.checkpoint_every)
+
+    @property
+    def time_limit_s(self) -> float | None:
+        return None if self.time_limit is None else parse_duration(self.time_limit)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

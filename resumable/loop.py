@@ -1,5 +1,5 @@
 """The resumable epoch/step loop. Task code supplies a train step and an end-of-epoch hook; the loop
-owns the position in the data, the checkpoint triggers, metrics and progress."""
+owns the position in the data, the checkpoint triggers, stopping early, metrics and progress."""
 
 from __future__ import annotations
 
@@ -12,17 +12,35 @@ import torch
 from tqdm import tqdm
 
 from .metrics import MetricsLog
+from .preemption import Budget, StopFlag
 from .sampler import ResumableSampler
 from .session import Session
+from .triggers import SaveTriggers
 
 
 @dataclass(frozen=True)
 class LoopPlan:
     epochs: int
     max_steps: int | None = None
-    checkpoint_steps: int | None = None
     log_every: int = 10
     progress: bool = True
+
+
+@dataclass
+class Outcome:
+    finished: bool
+    reason: str  # "finished", or why it stopped early: a signal name or "time limit"
+
+
+class _Estimate:
+    """Exponential moving average of a duration, for budget decisions."""
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self.value = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.value = seconds if self.value == 0.0 else self.alpha * seconds + (1 - self.alpha) * self.value
 
 
 class Loop:
@@ -31,12 +49,16 @@ class Loop:
     ``train_step(indices)`` trains one batch and returns its loss tensor (not synced).
     ``end_epoch(epoch)`` evaluates and returns metrics such as ``test_loss`` and ``test_acc``.
     ``current_lr()`` is logged with each training record.
+    Before every step it checks for a stop request (``stop.requested``) and whether the next step and a
+    final save still fit in ``budget``; either commits a checkpoint and returns an unfinished Outcome.
     """
 
     def __init__(self, session: Session, sampler: ResumableSampler, plan: LoopPlan, metrics: MetricsLog,
                  train_step: Callable[[torch.Tensor], torch.Tensor],
                  end_epoch: Callable[[int], dict[str, float]],
-                 current_lr: Callable[[], float], device: torch.device) -> None:
+                 current_lr: Callable[[], float], device: torch.device,
+                 triggers: SaveTriggers | None = None, stop: StopFlag | None = None,
+                 budget: Budget | None = None, on_interval: Callable[[float, float], None] | None = None) -> None:
         self.session = session
         self.state = session.state
         self.sampler = sampler
@@ -46,6 +68,12 @@ class Loop:
         self.end_epoch = end_epoch
         self.current_lr = current_lr
         self.device = device
+        self.triggers = triggers or SaveTriggers(None, None)
+        self.stop = stop
+        self.budget = budget or Budget(None)
+        self.on_interval = on_interval
+        self.step_time = _Estimate()
+        self.eval_time = _Estimate()
         self._clock = time.monotonic()
 
     # -- plan --------------------------------------------------------------------------------------
@@ -58,19 +86,40 @@ class Loop:
         return self.state.epoch >= self.plan.epochs or (
             self.plan.max_steps is not None and self.state.step >= self.plan.max_steps)
 
+    def _stop_reason(self) -> str | None:
+        """Why training must stop before the next step, if it must."""
+        if self.stop is not None and self.stop.requested:
+            return self.stop.requested
+        last_of_epoch = self.state.batch_in_epoch + 1 >= self.sampler.batches_per_epoch
+        step_s = self.step_time.value + (self.eval_time.value if last_of_epoch else 0.0)
+        if not self.budget.fits(step_s, self.session.writer.stats.last_total_s):
+            return "time limit"
+        return None
+
     # -- loop --------------------------------------------------------------------------------------
-    def run(self) -> None:
+    def run(self) -> Outcome:
         self._clock = time.monotonic()
+        outcome = Outcome(True, "finished")
         while not self.finished():
             if self.state.batch_in_epoch < self.sampler.batches_per_epoch:
-                self._train_epoch()
+                reason = self._train_epoch()
+                if reason is not None:
+                    outcome = Outcome(False, reason)
+                    break
             if self.state.batch_in_epoch >= self.sampler.batches_per_epoch:
                 self._finish_epoch()
+                reason = self._stop_reason() if not self.finished() else None
+                if reason is not None:
+                    outcome = Outcome(False, reason)
+                    break
         if self.session.last_saved_step != self.state.step:
-            self._save("final")
+            self._save(outcome.reason if not outcome.finished else "final")
         self.metrics.sync()
+        self.session.close()
+        return outcome
 
-    def _train_epoch(self) -> None:
+    def _train_epoch(self) -> str | None:
+        """Train to the end of the epoch (or max_steps); returns a stop reason if stopped early."""
         state, plan, sampler = self.state, self.plan, self.sampler
         batches = sampler.batches_per_epoch
         order = sampler.epoch_order(state.epoch).to(self.device)
@@ -82,6 +131,12 @@ class Loop:
         bar_clock, bar_samples = time.monotonic(), 0
         try:
             for index in range(state.batch_in_epoch, batches):
+                reason = self._stop_reason()
+                if reason is not None:
+                    state.epoch_loss_sum = loss_sum.item()
+                    return reason
+                self.session.writer.check()  # a failed background save surfaces here
+                started = time.monotonic()
                 indices = sampler.batch(order, index)
                 loss = self.train_step(indices)
                 loss_sum += loss.detach().double()
@@ -99,19 +154,24 @@ class Loop:
                                       "lr": self.current_lr(), "samples_per_s": round(rate, 1),
                                       "time": time.time()})
                     bar.set_postfix(loss=f"{value:.4f}", samples_s=f"{rate:,.0f}")
+                self.step_time.add(time.monotonic() - started)
                 if plan.max_steps is not None and state.step >= plan.max_steps:
                     break
                 # A trigger on the last batch is left to the end-of-epoch save right after it.
-                if plan.checkpoint_steps and state.step % plan.checkpoint_steps == 0 and index + 1 < batches:
+                trigger = self.triggers.due(state.step) if index + 1 < batches else None
+                if trigger is not None:
                     state.epoch_loss_sum = loss_sum.item()
-                    self._save("steps")
+                    self._save(trigger)
         finally:
             bar.close()
         state.epoch_loss_sum = loss_sum.item()
+        return None
 
     def _finish_epoch(self) -> None:
         state = self.state
+        started = time.monotonic()
         results = self.end_epoch(state.epoch)
+        self.eval_time.add(time.monotonic() - started)
         train_loss = state.epoch_loss_sum / max(state.epoch_loss_count, 1)
         self._tick()
         record = {"step": state.step, "epoch": state.epoch + 1, "train_loss": train_loss, **results,
@@ -138,3 +198,7 @@ class Loop:
     def _save(self, reason: str, metrics: dict[str, float] | None = None) -> None:
         self._tick()
         self.session.save(reason, metrics)
+        stats = self.session.writer.stats
+        interval = self.triggers.saved(stats.last_blocked_s)
+        if interval is not None and self.on_interval is not None:
+            self.on_interval(interval, stats.last_blocked_s)

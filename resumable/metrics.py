@@ -52,14 +52,17 @@ class MetricsLog:
     def log(self, record: dict[str, Any]) -> None:
         if self._handle is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._handle = open(self.path, "a", encoding="utf-8")
+            # Line-buffered: each record reaches the OS at once, so a kill loses none that were logged
+            # and progress is visible to anyone reading the file.
+            self._handle = open(self.path, "a", encoding="utf-8", buffering=1)
         self._handle.write(json.dumps(record) + "\n")
 
     def sync(self) -> None:
-        """Make every record so far durable; called before a checkpoint commits."""
-        if self._handle is not None:
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
+        """Make every record so far durable (fsync); called before a checkpoint commits, possibly from
+        the checkpoint writer's thread."""
+        handle = self._handle
+        if handle is not None:
+            os.fsync(handle.fileno())
 
     def close(self) -> None:
         if self._handle is not None:

@@ -104,3 +104,18 @@ class Budget:
         if remaining is None:
             return True
         return remaining > (step_s + save_s) * self.margin + self.floor_s
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux /proc; 0 elsewhere), so a --time-limit also counts
+    interpreter start-up and imports."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        started_ticks = int(fields[19])  # field 22 of stat, counted after the command name
+        uptime = vm_uptime_s()
+        if uptime is None:
+            return 0.0
+        return max(uptime - started_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return 0.0

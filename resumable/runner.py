@@ -4,6 +4,7 @@ build the MNIST task, and hand off to the loop."""
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,17 +13,16 @@ from typing import Any
 import torch
 
 from .checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, checkpoints_dir, describe_age
-from .config import COMPUTATION_FIELDS, TrainConfig
+from .checkpoint.writer import CheckpointWriter, SaveFailed
+from .config import COMPUTATION_FIELDS, SESSION_FIELDS, TrainConfig, format_duration, parse_duration
 from .errors import ConfigMismatch, NothingToResume, ResumableError, RunDirInUse
 from .loop import Loop, LoopPlan
 from .metrics import MetricsLog
-from .sampler import ResumableSampler
+from .preemption import EXIT_RESUME, Budget, StopFlag, colab_default_limit_s, process_age_s
 from .session import Session
-from .state import TrainState, seed_everything
-from .tasks import mnist
-
-# Options that belong to this invocation only and are never taken from a checkpoint.
-_SESSION_LOCAL = ("run_dir", "progress", "download")
+from .state import TrainState
+from .tasks.mnist_task import MnistTask
+from .triggers import SaveTriggers
 
 
 def say(message: str) -> None:
@@ -41,7 +41,7 @@ def resolve_config(explicit: dict[str, Any], saved: dict[str, Any] | None) -> Tr
     defaults. A computation field given explicitly must equal the checkpoint's."""
     if saved is None:
         return TrainConfig(**explicit)
-    base = {k: v for k, v in TrainConfig.from_dict(saved).to_dict().items() if k not in _SESSION_LOCAL}
+    base = {k: v for k, v in TrainConfig.from_dict(saved).to_dict().items() if k not in SESSION_FIELDS}
     for name in COMPUTATION_FIELDS:
         if name in explicit and explicit[name] != base.get(name):
             raise ConfigMismatch(name, base.get(name), explicit[name], explicit.get("run_dir", "?"))
@@ -83,50 +83,46 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, batches_per_epoch: int):
-    if cfg.lr_schedule == "step":
-        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
-    if cfg.lr_schedule == "onecycle":
-        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=cfg.lr,
-                                                   total_steps=cfg.epochs * batches_per_epoch)
-    return None
-
-
-def _computation(cfg: TrainConfig, dataset: dict[str, Any], batches_per_epoch: int) -> dict[str, Any]:
-    comp = {**cfg.computation(), "dataset": dataset}
-    if cfg.lr_schedule == "onecycle":
-        comp["epochs"] = cfg.epochs  # the one-cycle schedule length depends on it
-    return comp
-
-
 def _check_computation(saved: dict[str, Any], current: dict[str, Any], run_dir: str) -> None:
     for key in sorted(set(saved) | set(current)):
-        if saved.get(key) != current.get(key):
-            raise ConfigMismatch(key, saved.get(key), current.get(key), run_dir)
+        default = "none" if key == "amp" else None  # checkpoints from before --amp existed
+        if saved.get(key, default) != current.get(key, default):
+            raise ConfigMismatch(key, saved.get(key, default), current.get(key, default), run_dir)
+
+
+def _budget(cfg: TrainConfig) -> Budget:
+    start = time.monotonic() - process_age_s()
+    if cfg.time_limit_s is not None:
+        return Budget(cfg.time_limit_s, start=start)
+    colab = colab_default_limit_s()
+    if colab is not None:
+        say(f"Colab detected: stopping cleanly after {format_duration(colab)} (before the 12 h VM limit, "
+            f"counted from VM start); pass --time-limit to change it")
+        return Budget(colab)
+    return Budget(None)
+
+
+def _triggers(cfg: TrainConfig) -> SaveTriggers:
+    if cfg.checkpoint_every == "auto":
+        return SaveTriggers(cfg.checkpoint_steps, None, auto_mtbf_s=parse_duration(cfg.mtbf))
+    return SaveTriggers(cfg.checkpoint_steps, cfg.checkpoint_every_s)
 
 
 def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False) -> int:
-    """Run ``resumable-train``; returns the process exit code."""
+    """Run ``resumable-train``; returns the process exit code (0 done, 75 stopped early, resumable)."""
     startup = choose_start(explicit, mode, overwrite)
     cfg = startup.config
     run_dir = Path(cfg.run_dir)
     manager = CheckpointManager(checkpoints_dir(run_dir))
     device = _pick_device(cfg.device)
-    data = mnist.load_mnist(cfg.data_dir, device, download=cfg.download)
-
-    seed_everything(cfg.seed)
-    model = mnist.build_model(device)
-    optimizer = mnist.make_optimizer(model, cfg.lr, device)
-    sampler = ResumableSampler(len(data.train), cfg.batch_size, cfg.seed)
-    scheduler = _build_scheduler(cfg, optimizer, sampler.batches_per_epoch)
-    computation = _computation(cfg, data.identity, sampler.batches_per_epoch)
+    task = MnistTask(cfg, device)
+    computation = task.computation()
     metrics = MetricsLog(run_dir / "metrics.jsonl")
-    state = TrainState()
-    session = Session(manager, {"model": model, "optimizer": optimizer, "scheduler": scheduler,
-                                "sampler": sampler},
-                      state, meta={"config": cfg.to_dict(), "computation": computation,
-                                   "device": str(device)},
-                      keep=cfg.keep, keep_best=cfg.keep_best, before_commit=metrics.sync)
+    session = Session(manager, task.objects(), TrainState(),
+                      meta={"config": cfg.to_dict(), "computation": computation, "device": str(device)},
+                      keep=cfg.keep, keep_best=cfg.keep_best,
+                      writer=CheckpointWriter(asynchronous=not cfg.sync_checkpoints), before_commit=metrics.sync)
+    state = session.state
 
     if mode == "fresh" and overwrite:
         manager.delete_all()
@@ -137,36 +133,35 @@ def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False)
     manager.cleanup_incomplete()
     metrics.rollback(state.step)
 
-    def train_step(indices: torch.Tensor) -> torch.Tensor:
-        images, labels = data.train.images[indices], data.train.labels[indices]
-        optimizer.zero_grad(set_to_none=True)
-        loss = mnist.loss_fn(model(images), labels)
-        loss.backward()
-        optimizer.step()
-        if cfg.lr_schedule == "onecycle":
-            scheduler.step()
-        return loss
+    def announce_interval(interval: float, cost: float) -> None:
+        say(f"--checkpoint-every auto: save blocks training {cost * 1000:.1f} ms, MTBF {cfg.mtbf} → "
+            f"checkpoint every {format_duration(interval)}")
 
-    def end_epoch(epoch: int) -> dict[str, float]:
-        test_loss, test_acc = mnist.evaluate(model, data.test)
-        if cfg.lr_schedule == "step":
-            scheduler.step()
-        return {"test_loss": test_loss, "test_acc": test_acc}
-
-    plan = LoopPlan(epochs=cfg.epochs, max_steps=cfg.max_steps, checkpoint_steps=cfg.checkpoint_steps,
-                    log_every=cfg.log_every, progress=cfg.progress)
-    loop = Loop(session, sampler, plan, metrics, train_step, end_epoch,
-                current_lr=lambda: optimizer.param_groups[0]["lr"], device=device)
-    if loop.finished() and session.resumed_from is not None:
-        say(f"run in {run_dir} is already complete at step {state.step} (epoch {state.epoch}); "
-            f"raise --epochs or --max-steps to train further")
-        return 0
-    say(f"training on {device} with {torch.get_num_threads()} CPU thread(s): step {state.step} → "
-        f"{loop.total_steps}, checkpoints in {manager.root}")
-    try:
-        loop.run()
-    finally:
-        metrics.close()
+    plan = LoopPlan(epochs=cfg.epochs, max_steps=cfg.max_steps, log_every=cfg.log_every, progress=cfg.progress)
+    with StopFlag() as stop:
+        loop = Loop(session, task.sampler, plan, metrics, task.train_step, task.end_epoch, task.current_lr,
+                    device, triggers=_triggers(cfg), stop=stop, budget=_budget(cfg),
+                    on_interval=announce_interval if cfg.checkpoint_every == "auto" else None)
+        if loop.finished() and session.resumed_from is not None:
+            say(f"run in {run_dir} is already complete at step {state.step} (epoch {state.epoch}); "
+                f"raise --epochs or --max-steps to train further")
+            return 0
+        say(f"training on {device} with {torch.get_num_threads()} CPU thread(s): step {state.step} → "
+            f"{loop.total_steps}, checkpoints in {manager.root}")
+        try:
+            outcome = loop.run()
+        except SaveFailed as e:
+            latest, _ = manager.latest_valid()
+            where = f"step {latest.step}" if latest else "none"
+            raise SaveFailed(f"{e}. The newest valid checkpoint is {where}; fix the cause (disk space, "
+                             f"permissions, storage) and run the same command again to continue") from e
+        finally:
+            metrics.close()
+    say(session.writer.stats.summary())
+    if not outcome.finished:
+        say(f"stopped early ({outcome.reason}): state committed at step {state.step}. "
+            f"Run the same command again to continue (exit code {EXIT_RESUME})")
+        return EXIT_RESUME
     say(f"done at step {state.step}; newest checkpoint {manager.root / f'step-{state.step:09d}'}")
     return 0
 

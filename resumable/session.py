@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from .checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, fingerprint
+from .checkpoint.snapshot import Snapshotter
+from .checkpoint.writer import CheckpointWriter
 from .state import Stateful, TrainState, capture_rng, restore_rng
 
 # Payload keys that are not user objects.
@@ -18,11 +21,16 @@ class Session:
     """Saves and restores ``objects`` (name → Stateful), the TrainState and every RNG stream.
 
     ``meta`` is recorded in each manifest (config, dataset identity, computation fields) and is what a
-    later start compares against before resuming.
+    later start compares against before resuming. With an asynchronous ``writer``, ``save`` copies the
+    state into host memory and returns; serialising, hashing, fsync, commit and pruning happen on the
+    writer's thread. ``before_snapshot`` runs on the training thread (flush logs), ``before_commit`` on
+    the writer's thread just before the manifest is written (make logs durable).
     """
 
     def __init__(self, manager: CheckpointManager, objects: Mapping[str, Stateful | None],
                  state: TrainState, meta: dict[str, Any], keep: int = 3, keep_best: bool = True,
+                 writer: CheckpointWriter | None = None,
+                 before_snapshot: Callable[[], None] | None = None,
                  before_commit: Callable[[], None] | None = None) -> None:
         if "model" not in objects or "optimizer" not in objects:
             raise ValueError("a session needs at least 'model' and 'optimizer' objects")
@@ -32,7 +40,10 @@ class Session:
         self.meta = meta
         self.keep = keep
         self.keep_best = keep_best
+        self.writer = writer or CheckpointWriter(asynchronous=False)
+        self.before_snapshot = before_snapshot
         self.before_commit = before_commit
+        self._snapshotter = Snapshotter()
         self.last_saved_step: int | None = None
         self.resumed_from: CheckpointInfo | None = None
 
@@ -44,11 +55,17 @@ class Session:
         payload[_RNG] = capture_rng()
         return payload
 
-    def save(self, reason: str, metrics: dict[str, float] | None = None) -> CheckpointInfo:
-        """Commit a checkpoint of the current state, then prune old ones."""
+    def save(self, reason: str, metrics: dict[str, float] | None = None, wait: bool = False) -> None:
+        """Checkpoint the current state. Returns once the state is copied (async) or committed (sync,
+        or ``wait=True``). A failure of an earlier background save is raised here as SaveFailed."""
+        started = time.perf_counter()
+        self.writer.wait()  # at most one save in flight; its host buffers are about to be reused
         payload = self.payload()
-        if self.before_commit is not None:
-            self.before_commit()
+        if self.writer.asynchronous:
+            payload = self._snapshotter.take(payload)
+        if self.before_snapshot is not None:
+            self.before_snapshot()
+        step = self.state.step
         meta = {
             **self.meta,
             "epoch": self.state.epoch,
@@ -56,12 +73,24 @@ class Session:
             "reason": reason,
             "metrics": metrics or {},
             "num_threads": torch.get_num_threads(),
-            "fingerprint": fingerprint(payload["model"], payload["optimizer"]),
         }
-        info = self.manager.save(self.state.step, payload, meta)
-        self.last_saved_step = self.state.step
-        self.manager.prune(self.keep, self.keep_best)
-        return info
+
+        def persist() -> int:
+            meta["fingerprint"] = fingerprint(payload["model"], payload["optimizer"])
+            if self.before_commit is not None:
+                self.before_commit()
+            info = self.manager.save(step, payload, meta)
+            self.manager.prune(self.keep, self.keep_best)
+            return info.size
+
+        self.writer.submit(f"step {step}", persist, blocked_since=started)
+        self.last_saved_step = step
+        if wait:
+            self.writer.wait()
+
+    def close(self) -> None:
+        """Wait for the last save; raises SaveFailed if it failed."""
+        self.writer.wait()
 
     def restore(self, info: CheckpointInfo) -> None:
         """Load ``info`` into every object. Raises InvalidCheckpoint before touching anything if the

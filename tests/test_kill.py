@@ -106,3 +106,34 @@ def test_soak_kill_cycles(mnist_dir: Path, tmp_path: Path, uninterrupted, index:
     print(f"kill seed {seed}")
     kill_and_resume(tmp_path, mnist_dir, seed, kills=5)
     assert (final_fingerprint(tmp_path), records(tmp_path)) == uninterrupted, f"diverged; kill seed {seed}"
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT", "SIGUSR1"])
+def test_signal_commits_at_that_step_exits_75_and_resumes_identically(mnist_dir: Path, tmp_path: Path,
+                                                                       uninterrupted, signame: str) -> None:
+    proc = _start(tmp_path, mnist_dir)
+    assert _wait_for(proc, lambda: _max_logged_step(tmp_path) >= 40)
+    proc.send_signal(getattr(signal, signame))
+    at_signal = _max_logged_step(tmp_path)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 75, stderr
+    assert f"stopped early ({signame})" in stderr and "Run the same command again" in stderr
+    latest = CheckpointManager(checkpoints_dir(tmp_path)).latest_valid()[0]
+    assert at_signal <= latest.step <= at_signal + 1, (at_signal, latest.step)
+    final = run(["--run-dir", str(tmp_path), "--data-dir", str(mnist_dir), *ARGS])
+    assert final.returncode == 0, final.stderr
+    assert (final_fingerprint(tmp_path), records(tmp_path)) == uninterrupted
+
+
+def test_time_limit_exits_75_then_resume_completes_identically(mnist_dir: Path, tmp_path: Path,
+                                                               uninterrupted) -> None:
+    args = ["--run-dir", str(tmp_path), "--data-dir", str(mnist_dir), *ARGS]
+    limited = run([*args, "--time-limit", "6s"])
+    assert limited.returncode == 75, limited.stderr
+    assert "stopped early (time limit)" in limited.stderr
+    stopped_at = CheckpointManager(checkpoints_dir(tmp_path)).latest_valid()[0].step
+    assert stopped_at < MAX_STEPS
+    final = run(args)
+    assert final.returncode == 0, final.stderr
+    assert f"resuming from step {stopped_at}" in final.stderr
+    assert (final_fingerprint(tmp_path), records(tmp_path)) == uninterrupted

@@ -35,9 +35,11 @@ class Snapshotter:
 
     def _buffer(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            pin = tensor.is_cuda
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+        if (buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype
+                or buffer.stride() != tensor.stride()):
+            # empty_like keeps the memory layout (e.g. channels_last): fused optimizers read their state
+            # as raw memory laid out like the parameter, so a restored state must keep its strides.
+            buffer = torch.empty_like(tensor, device="cpu", pin_memory=tensor.is_cuda)
             self._buffers[key] = buffer
         return buffer
 

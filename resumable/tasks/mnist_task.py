@@ -1,0 +1,78 @@
+"""The training wiring of the seed task: model, Adam, optional LR schedule and AMP, one train step."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from ..config import TrainConfig
+from ..sampler import ResumableSampler
+from ..state import Stateful, seed_everything
+from . import mnist
+
+_AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class MnistTask:
+    """Everything ``resumable-train`` trains, built deterministically from ``cfg`` (seeded first)."""
+
+    def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.data = mnist.load_mnist(cfg.data_dir, device, download=cfg.download)
+        seed_everything(cfg.seed)
+        self.model = mnist.build_model(device)
+        self.optimizer = mnist.make_optimizer(self.model, cfg.lr, device)
+        self.sampler = ResumableSampler(len(self.data.train), cfg.batch_size, cfg.seed)
+        self.scheduler = self._scheduler()
+        self.amp_dtype = _AMP_DTYPES.get(cfg.amp)
+        # A GradScaler is needed for fp16 only: bf16 has float32's exponent range.
+        self.scaler = torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None
+
+    def _scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
+        if self.cfg.lr_schedule == "step":
+            return torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.7)
+        if self.cfg.lr_schedule == "onecycle":
+            return torch.optim.lr_scheduler.OneCycleLR(
+                self.optimizer, max_lr=self.cfg.lr, total_steps=self.cfg.epochs * self.sampler.batches_per_epoch)
+        return None
+
+    def objects(self) -> dict[str, Stateful | None]:
+        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
+                "scaler": self.scaler, "sampler": self.sampler}
+
+    def computation(self) -> dict[str, Any]:
+        """What a checkpoint must match to be resumed exactly."""
+        comp = {**self.cfg.computation(), "dataset": self.data.identity}
+        if self.cfg.lr_schedule == "onecycle":
+            comp["epochs"] = self.cfg.epochs  # the one-cycle schedule length depends on it
+        return comp
+
+    def train_step(self, indices: torch.Tensor) -> torch.Tensor:
+        images, labels = self.data.train.images[indices], self.data.train.labels[indices]
+        self.optimizer.zero_grad(set_to_none=True)
+        autocast = (torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype is not None
+                    else nullcontext())
+        with autocast:
+            loss = mnist.loss_fn(self.model(images), labels)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            loss.backward()
+            self.optimizer.step()
+        if self.cfg.lr_schedule == "onecycle":
+            self.scheduler.step()
+        return loss
+
+    def end_epoch(self, epoch: int) -> dict[str, float]:
+        test_loss, test_acc = mnist.evaluate(self.model, self.data.test)
+        if self.cfg.lr_schedule == "step":
+            self.scheduler.step()
+        return {"test_loss": test_loss, "test_acc": test_acc}
+
+    def current_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
