@@ -77,7 +77,7 @@ def _assert_same(a, b, path: str = "") -> None:
             _assert_same(a[key], b[key], f"{path}/{key}")
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_same(x, y, f"{path}/{i}")
     elif path.endswith("elapsed_s"):
         return  # wall-clock time differs between any two runs

@@ -180,3 +180,16 @@ def test_malicious_newest_payload_is_refused_and_skipped(tiny_mnist: Path, tmp_p
     assert "skipping checkpoint step 4" in output and "refused" in output
     assert "resuming from step 2" in output
     assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("amp", ["fp16", "bf16"])
+def test_amp_resume_is_bit_identical_and_saves_the_scaler(tiny_mnist: Path, tmp_path: Path, amp: str) -> None:
+    """The CPU side of the AMP path (scripts/gpu_check.sh runs it on CUDA)."""
+    train(tmp_path / "straight", tiny_mnist, "--max-steps", "10", "--amp", amp)
+    train(tmp_path / "resumed", tiny_mnist, "--max-steps", "4", "--amp", amp)
+    train(tmp_path / "resumed", tiny_mnist, "--max-steps", "10")  # --amp inherited from the checkpoint
+    assert final_fingerprint(tmp_path / "straight") == final_fingerprint(tmp_path / "resumed")
+    assert records(tmp_path / "straight") == records(tmp_path / "resumed")
+    manager = CheckpointManager(checkpoints_dir(tmp_path / "resumed"))
+    scaler = manager.load(manager.latest_valid()[0])["scaler"]
+    assert (scaler is not None and scaler["scale"] > 0) if amp == "fp16" else scaler is None
