@@ -120,7 +120,7 @@ def train_command(ctx: click.Context, mode: str | None, overwrite: bool, **optio
     from .tasks.mnist import DataUnavailable
 
     try:
-        code = train(explicit, mode=mode or "auto", overwrite=overwrite)
+        code = train(explicit, mode=mode or "auto", overwrite=overwrite).exit_code
     except (ResumableError, DataUnavailable) as e:
         _fail(str(e))
     except SaveFailed as e:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, checkpoints_dir, describe_age
-from .checkpoint.writer import CheckpointWriter, SaveFailed
+from .checkpoint.writer import CheckpointWriter, SaveFailed, SaveStats
 from .config import COMPUTATION_FIELDS, SESSION_FIELDS, TrainConfig, format_duration, parse_duration
 from .errors import ConfigMismatch, NothingToResume, ResumableError, RunDirInUse
 from .loop import Loop, LoopPlan
@@ -108,8 +108,15 @@ def _triggers(cfg: TrainConfig) -> SaveTriggers:
     return SaveTriggers(cfg.checkpoint_steps, cfg.checkpoint_every_s)
 
 
-def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False) -> int:
-    """Run ``resumable-train``; returns the process exit code (0 done, 75 stopped early, resumable)."""
+@dataclass
+class TrainResult:
+    exit_code: int  # 0 done, 75 stopped early with state committed (run again to continue)
+    state: TrainState
+    stats: SaveStats
+
+
+def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False) -> TrainResult:
+    """Run ``resumable-train`` with the options the user gave explicitly."""
     startup = choose_start(explicit, mode, overwrite)
     cfg = startup.config
     run_dir = Path(cfg.run_dir)
@@ -145,7 +152,7 @@ def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False)
         if loop.finished() and session.resumed_from is not None:
             say(f"run in {run_dir} is already complete at step {state.step} (epoch {state.epoch}); "
                 f"raise --epochs or --max-steps to train further")
-            return 0
+            return TrainResult(0, state, session.writer.stats)
         say(f"training on {device} with {torch.get_num_threads()} CPU thread(s): step {state.step} → "
             f"{loop.total_steps}, checkpoints in {manager.root}")
         try:
@@ -161,9 +168,9 @@ def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False)
     if not outcome.finished:
         say(f"stopped early ({outcome.reason}): state committed at step {state.step}. "
             f"Run the same command again to continue (exit code {EXIT_RESUME})")
-        return EXIT_RESUME
+        return TrainResult(EXIT_RESUME, state, session.writer.stats)
     say(f"done at step {state.step}; newest checkpoint {manager.root / f'step-{state.step:09d}'}")
-    return 0
+    return TrainResult(0, state, session.writer.stats)
 
 
 def _candidates(manager: CheckpointManager, startup: Startup) -> Iterator[CheckpointInfo]:

@@ -26,7 +26,7 @@ from resumable.runner import train as resumable_train
 from resumable.tasks.mnist import Net
 
 
-def guide_loop(data_dir: str, epochs: int, seed: int) -> tuple[float, float, int]:
+def guide_loop(data_dir: str, epochs: int, seed: int, device: str) -> tuple[float, float, int]:
     """The classic guide's loop; returns (seconds, test accuracy, training samples)."""
     torch.manual_seed(seed)
     start = time.perf_counter()
@@ -37,11 +37,13 @@ def guide_loop(data_dir: str, epochs: int, seed: int) -> tuple[float, float, int
     test_loader = torch.utils.data.DataLoader(test_set, batch_size=1000, num_workers=2)
     model = Net()
     model.dropout1, model.dropout2 = nn.Dropout(0.25), nn.Dropout(0.5)  # the guide's own modules
+    model = model.to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     acc = 0.0
     for _ in range(epochs):
         model.train()
         for images, labels in train_loader:
+            images, labels = images.to(device), labels.to(device)
             optimizer.zero_grad()
             loss = F.nll_loss(model(images), labels)
             loss.backward()
@@ -50,16 +52,19 @@ def guide_loop(data_dir: str, epochs: int, seed: int) -> tuple[float, float, int
         correct = 0
         with torch.no_grad():
             for images, labels in test_loader:
+                images, labels = images.to(device), labels.to(device)
                 correct += (model(images).argmax(1) == labels).sum().item()
         acc = correct / len(test_set)
+    if device == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start, acc, epochs * len(train_set)
 
 
-def resumable_path(data_dir: str, epochs: int, seed: int) -> tuple[float, float, int]:
+def resumable_path(data_dir: str, epochs: int, seed: int, device: str) -> tuple[float, float, int]:
     with tempfile.TemporaryDirectory() as run_dir:
         start = time.perf_counter()
         resumable_train({"run_dir": run_dir, "data_dir": data_dir, "epochs": epochs, "seed": seed,
-                         "progress": False, "download": False}, mode="fresh")
+                         "device": device, "progress": False, "download": False}, mode="fresh")
         seconds = time.perf_counter() - start
         records = read_records(Path(run_dir) / "metrics.jsonl")
     acc = [r["test_acc"] for r in records if "test_acc" in r][-1]
@@ -72,15 +77,16 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, epochs={args.epochs}")
+    print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads, epochs={args.epochs}")
     rates: dict[str, list[float]] = {"guide": [], "resumable": []}
     accs: dict[str, list[float]] = {"guide": [], "resumable": []}
     for repeat in range(args.repeats):
         for name, fn in (("guide", guide_loop), ("resumable", resumable_path)):
             # A different seed per repeat, the same for both paths: accuracy medians then compare the
             # methods rather than one lucky draw of dropout masks and data order.
-            seconds, acc, samples = fn(args.data_dir, args.epochs, args.seed + repeat)
+            seconds, acc, samples = fn(args.data_dir, args.epochs, args.seed + repeat, args.device)
             rates[name].append(samples / seconds)
             accs[name].append(acc)
             print(f"  repeat {repeat + 1}: {name:<10} {samples / seconds:8.0f} samples/s  test_acc {acc:.4f}")
