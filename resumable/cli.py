@@ -15,7 +15,8 @@ from .config import AMP_MODES, DEVICES, LR_SCHEDULES, TrainConfig, parse_duratio
 # click parameter name -> TrainConfig field, for options that map one to one.
 _CONFIG_OPTIONS = ("run_dir", "data_dir", "epochs", "max_steps", "batch_size", "lr", "seed", "device",
                    "lr_schedule", "amp", "checkpoint_steps", "checkpoint_every", "mtbf", "time_limit",
-                   "sync_checkpoints", "keep", "keep_best", "log_every", "download", "progress")
+                   "sync_checkpoints", "keep", "keep_best", "log_every", "download", "progress", "cache_dir",
+                   "drive_credentials", "drive_flush_timeout")
 
 
 class Duration(click.ParamType):
@@ -53,8 +54,9 @@ def _fail(message: str) -> None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--run-dir", type=click.Path(file_okay=False), default=TrainConfig.run_dir, show_default=True,
-              help="Where checkpoints and metrics.jsonl live. Re-running with the same --run-dir resumes.")
+@click.option("--run-dir", default=TrainConfig.run_dir, show_default=True,
+              help="Where checkpoints and metrics.jsonl live: a path (local or a mounted Drive folder) or "
+              "gdrive://<folder-id or root>/<path>. Re-running with the same --run-dir resumes.")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=TrainConfig.data_dir, show_default=True,
               help="Folder holding MNIST/raw/ (torchvision layout); downloaded there when missing.")
 @click.option("--epochs", type=click.IntRange(min=1), default=TrainConfig.epochs, show_default=True)
@@ -80,6 +82,12 @@ def _fail(message: str) -> None:
               "(counted from process start). In Colab it defaults to the time left before the 12 h VM limit.")
 @click.option("--sync-checkpoints", is_flag=True, default=False,
               help="Write checkpoints on the training thread instead of in the background.")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Local cache for Drive run dirs (default: ~/.cache/resumable).")
+@click.option("--drive-credentials", type=click.Path(dir_okay=False), default=None,
+              help="Service-account JSON key or a token from `resumable drive-login` (for gdrive:// run dirs).")
+@click.option("--drive-flush-timeout", type=Duration(), default=TrainConfig.drive_flush_timeout,
+              show_default=True, help="At exit, wait at most this long for checkpoints to reach Drive.")
 @click.option("--keep", type=click.IntRange(min=1), default=TrainConfig.keep, show_default=True,
               help="Number of newest checkpoints to keep.")
 @click.option("--keep-best/--no-keep-best", default=TrainConfig.keep_best, show_default=True,
@@ -106,7 +114,7 @@ def train_command(ctx: click.Context, mode: str | None, overwrite: bool, **optio
     explicit["run_dir"] = options["run_dir"]
     if overwrite and mode != "fresh":
         raise click.UsageError("--overwrite only makes sense with --fresh")
-    if not _writable_dir(options["run_dir"]):
+    if not options["run_dir"].startswith("gdrive://") and not _writable_dir(options["run_dir"]):
         raise click.BadParameter(f"{options['run_dir']!r} is not a writable directory (or cannot be created)",
                                  param_hint="--run-dir")
     try:

@@ -19,7 +19,7 @@ AMP_MODES = ("none", "bf16", "fp16")
 # Fields whose change alters the computation; checked against the checkpoint on resume.
 COMPUTATION_FIELDS = ("task", "batch_size", "seed", "lr", "lr_schedule", "amp")
 # Fields that belong to one invocation and are never inherited from a checkpoint.
-SESSION_FIELDS = ("run_dir", "progress", "download", "time_limit")
+SESSION_FIELDS = ("run_dir", "progress", "download", "time_limit", "cache_dir", "drive_credentials")
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,9 @@ class TrainConfig:
     mtbf: str = "1h"
     time_limit: str | None = None
     sync_checkpoints: bool = False
+    cache_dir: str | None = None
+    drive_credentials: str | None = None
+    drive_flush_timeout: str = "2m"
     keep: int = 3
     keep_best: bool = True
     log_every: int = 10
@@ -63,7 +66,7 @@ class TrainConfig:
         _require(self.lr_schedule in LR_SCHEDULES, "lr_schedule", self.lr_schedule,
                  f"must be one of {', '.join(LR_SCHEDULES)}")
         _require(self.amp in AMP_MODES, "amp", self.amp, f"must be one of {', '.join(AMP_MODES)}")
-        for name in ("checkpoint_every", "mtbf", "time_limit"):
+        for name in ("checkpoint_every", "mtbf", "time_limit", "drive_flush_timeout"):
             value = getattr(self, name)
             if value is not None and not (name == "checkpoint_every" and value == "auto"):
                 try:

@@ -21,6 +21,8 @@ from .metrics import MetricsLog
 from .preemption import EXIT_RESUME, Budget, StopFlag, colab_default_limit_s, process_age_s
 from .session import Session
 from .state import TrainState
+from .storage import RunLocation, StorageError, open_run_location
+from .storage.tiered import Mirror, restore_newest
 from .tasks.mnist_task import MnistTask
 from .triggers import SaveTriggers
 
@@ -48,10 +50,10 @@ def resolve_config(explicit: dict[str, Any], saved: dict[str, Any] | None) -> Tr
     return TrainConfig(**{**base, **explicit})
 
 
-def choose_start(explicit: dict[str, Any], mode: str, overwrite: bool) -> Startup:
+def choose_start(explicit: dict[str, Any], mode: str, overwrite: bool, local_dir: Path | None = None) -> Startup:
     """Pick the checkpoint to resume (or none) without modifying anything on disk."""
     run_dir = explicit.get("run_dir", TrainConfig.run_dir)
-    manager = CheckpointManager(checkpoints_dir(run_dir))
+    manager = CheckpointManager(checkpoints_dir(local_dir or run_dir))
     infos = manager.inspect(deep=False)
     committed = [i for i in infos if i.committed]
     if mode == "fresh":
@@ -117,31 +119,48 @@ class TrainResult:
 
 def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False) -> TrainResult:
     """Run ``resumable-train`` with the options the user gave explicitly."""
-    startup = choose_start(explicit, mode, overwrite)
+    location = _open_location(explicit)
+    run_dir = location.local_dir
+    if location.remote is not None:
+        say(f"run dir {explicit['run_dir']} is mirrored from a local cache in {run_dir}")
+        try:
+            restore_newest(location.remote, CheckpointManager(checkpoints_dir(run_dir)), run_dir, say)
+        except StorageError as e:
+            raise ResumableError(f"cannot look for checkpoints on {location.remote.description}: {e}. Nothing "
+                                 f"was changed; run again when it is reachable") from e
+    startup = choose_start(explicit, mode, overwrite, local_dir=run_dir)
     cfg = startup.config
-    run_dir = Path(cfg.run_dir)
     manager = CheckpointManager(checkpoints_dir(run_dir))
     device = _pick_device(cfg.device)
     task = MnistTask(cfg, device)
     computation = task.computation()
     metrics = MetricsLog(run_dir / "metrics.jsonl")
+    mirror = Mirror(manager, location.remote, run_dir, say) if location.remote is not None else None
     session = Session(manager, task.objects(), TrainState(),
                       meta={"config": cfg.to_dict(), "computation": computation, "device": str(device)},
                       keep=cfg.keep, keep_best=cfg.keep_best,
-                      writer=CheckpointWriter(asynchronous=not cfg.sync_checkpoints), before_commit=metrics.sync)
+                      writer=CheckpointWriter(asynchronous=not cfg.sync_checkpoints), before_commit=metrics.sync,
+                      after_commit=mirror.submit if mirror is not None else None)
     state = session.state
 
     if mode == "fresh" and overwrite:
         manager.delete_all()
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        for folder in location.remote.list_checkpoints() if location.remote is not None else ():
+            location.remote.delete_folder(folder)
     if startup.checkpoint is not None:
         _resume(session, startup, computation, cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     manager.cleanup_incomplete()
     metrics.rollback(state.step)
 
+    announced: list[float] = []
+
     def announce_interval(interval: float, cost: float) -> None:
-        say(f"--checkpoint-every auto: save blocks training {cost * 1000:.1f} ms, MTBF {cfg.mtbf} → "
+        if announced and abs(interval - announced[-1]) <= 0.1 * announced[-1]:
+            return  # only when it changes noticeably
+        announced.append(interval)
+        say(f"--checkpoint-every auto: a save blocks training {cost * 1000:.1f} ms, MTBF {cfg.mtbf} → "
             f"checkpoint every {format_duration(interval)}")
 
     plan = LoopPlan(epochs=cfg.epochs, max_steps=cfg.max_steps, log_every=cfg.log_every, progress=cfg.progress)
@@ -164,6 +183,8 @@ def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False)
                              f"permissions, storage) and run the same command again to continue") from e
         finally:
             metrics.close()
+            if mirror is not None:
+                _flush_mirror(mirror, cfg)
     say(session.writer.stats.summary())
     if not outcome.finished:
         say(f"stopped early ({outcome.reason}): state committed at step {state.step}. "
@@ -171,6 +192,27 @@ def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False)
         return TrainResult(EXIT_RESUME, state, session.writer.stats)
     say(f"done at step {state.step}; newest checkpoint {manager.root / f'step-{state.step:09d}'}")
     return TrainResult(0, state, session.writer.stats)
+
+
+def _open_location(explicit: dict[str, Any]) -> RunLocation:
+    try:
+        return open_run_location(explicit.get("run_dir", TrainConfig.run_dir), explicit.get("cache_dir"),
+                                 explicit.get("drive_credentials"))
+    except (StorageError, ValueError) as e:
+        raise ResumableError(str(e)) from e
+
+
+def _flush_mirror(mirror: Mirror, cfg: TrainConfig) -> None:
+    """Training never waits on Drive, except here at exit, for at most --drive-flush-timeout."""
+    pending = mirror.flush(parse_duration(cfg.drive_flush_timeout))
+    mirror.close()
+    if pending:
+        say(f"warning: checkpoint(s) {', '.join(map(str, pending))} are committed locally in {mirror.local.root} "
+            f"but not yet durable on {mirror.remote.description} after --drive-flush-timeout "
+            f"{cfg.drive_flush_timeout}; keep this machine up and run again, or raise the timeout")
+    elif mirror.durable:
+        say(f"mirrored to {mirror.remote.description}: newest durable checkpoint step {max(mirror.durable)}, "
+            f"{mirror.bytes / 1e6:.1f} MB uploaded in {mirror.upload_s:.1f}s")
 
 
 def _candidates(manager: CheckpointManager, startup: Startup) -> Iterator[CheckpointInfo]:

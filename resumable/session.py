@@ -23,15 +23,16 @@ class Session:
     ``meta`` is recorded in each manifest (config, dataset identity, computation fields) and is what a
     later start compares against before resuming. With an asynchronous ``writer``, ``save`` copies the
     state into host memory and returns; serialising, hashing, fsync, commit and pruning happen on the
-    writer's thread. ``before_snapshot`` runs on the training thread (flush logs), ``before_commit`` on
-    the writer's thread just before the manifest is written (make logs durable).
+    writer's thread. ``before_commit`` runs on the writer's thread just before the checkpoint is written
+    (e.g. to make logs durable up to this step), ``after_commit(step)`` after it is committed and pruned
+    (e.g. to mirror it to Drive).
     """
 
     def __init__(self, manager: CheckpointManager, objects: Mapping[str, Stateful | None],
                  state: TrainState, meta: dict[str, Any], keep: int = 3, keep_best: bool = True,
                  writer: CheckpointWriter | None = None,
-                 before_snapshot: Callable[[], None] | None = None,
-                 before_commit: Callable[[], None] | None = None) -> None:
+                 before_commit: Callable[[], None] | None = None,
+                 after_commit: Callable[[int], None] | None = None) -> None:
         if "model" not in objects or "optimizer" not in objects:
             raise ValueError("a session needs at least 'model' and 'optimizer' objects")
         self.manager = manager
@@ -41,8 +42,8 @@ class Session:
         self.keep = keep
         self.keep_best = keep_best
         self.writer = writer or CheckpointWriter(asynchronous=False)
-        self.before_snapshot = before_snapshot
         self.before_commit = before_commit
+        self.after_commit = after_commit
         self._snapshotter = Snapshotter()
         self.last_saved_step: int | None = None
         self.resumed_from: CheckpointInfo | None = None
@@ -63,8 +64,6 @@ class Session:
         payload = self.payload()
         if self.writer.asynchronous:
             payload = self._snapshotter.take(payload)
-        if self.before_snapshot is not None:
-            self.before_snapshot()
         step = self.state.step
         meta = {
             **self.meta,
@@ -81,6 +80,8 @@ class Session:
                 self.before_commit()
             info = self.manager.save(step, payload, meta)
             self.manager.prune(self.keep, self.keep_best)
+            if self.after_commit is not None:
+                self.after_commit(step)
             return info.size
 
         self.writer.submit(f"step {step}", persist, blocked_since=started)

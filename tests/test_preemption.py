@@ -89,3 +89,13 @@ def test_stop_flag_sets_flag_second_sigint_interrupts_and_restores() -> None:
 def test_process_age_is_plausible() -> None:
     age = preemption.process_age_s()
     assert 0.0 < age < 24 * 3600
+
+
+def test_auto_interval_is_announced(tiny_mnist, tmp_path) -> None:
+    result = CliRunner().invoke(train_command, ["--run-dir", str(tmp_path), "--data-dir", str(tiny_mnist),
+                                                "--batch-size", "16", "--epochs", "3", "--checkpoint-every", "auto",
+                                                "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("--checkpoint-every auto:") == 1
+    assert "checkpoint every 30s" in result.output  # tiny saves: Young's interval hits the 30 s floor
+    assert "checkpoint(s), training blocked" in result.output

@@ -181,5 +181,7 @@ def fingerprint(model_state: dict[str, Any], optimizer_state: dict[str, Any] | N
     for name, tensor in _tensor_items("", {"model": model_state, "optimizer": optimizer_state or {}}):
         data = tensor.detach().to("cpu").contiguous().reshape(-1)
         digest.update(f"{name}|{data.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(data.view(torch.uint8).numpy().tobytes())
+        # A zero-copy view: hashlib releases the GIL on large buffers, so hashing in the writer thread
+        # does not stall the training thread.
+        digest.update(data.view(torch.uint8).numpy())
     return digest.hexdigest()

@@ -1,0 +1,51 @@
+"""Where a run lives: a local folder, a mounted Drive folder, or gdrive:// through the Drive API.
+
+Remote run dirs are tiered: checkpoints commit to a local cache first and are mirrored in the
+background (tiered.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .base import RemoteFile, RemoteStore
+from .gdrive import DriveLocation, GDriveStore, is_drive_url
+from .mounted import MountedDirStore, is_mounted_drive
+from .retry import RetryPolicy, StorageError, TransientStorageError
+
+__all__ = ["RemoteFile", "RemoteStore", "RetryPolicy", "RunLocation", "StorageError", "TransientStorageError",
+           "default_cache_dir", "open_run_location"]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "resumable"
+
+
+@dataclass
+class RunLocation:
+    local_dir: Path  # where checkpoints commit first (the run dir itself when it is local)
+    remote: RemoteStore | None  # the durable copy, for mounted-Drive and gdrive:// run dirs
+
+
+def open_run_location(run_dir: str, cache_dir: str | None = None, credentials: str | None = None,
+                      timeout: float = 60.0, policy: RetryPolicy | None = None) -> RunLocation:
+    """Resolve ``--run-dir``: a plain path is used as is; a mounted Drive path or gdrive:// URL gets a
+    local cache (``--cache-dir``/<hash of the run dir>) and a remote store."""
+    remote: RemoteStore | None = None
+    if is_drive_url(run_dir):
+        from pydrive2.drive import GoogleDrive
+
+        from .auth import make_gauth
+
+        remote = GDriveStore(GoogleDrive(make_gauth(credentials, timeout)), DriveLocation.parse(run_dir),
+                             policy, url=run_dir)
+    elif is_mounted_drive(run_dir):
+        remote = MountedDirStore(Path(run_dir), policy)
+    if remote is None:
+        return RunLocation(Path(run_dir), None)
+    slug = hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]
+    name = str(run_dir).rstrip("/").rsplit("/", 1)[-1] or "run"
+    return RunLocation(Path(cache_dir or default_cache_dir()) / f"{name}-{slug}", remote)

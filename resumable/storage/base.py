@@ -1,0 +1,42 @@
+"""The one seam between checkpoints and where they are mirrored: a directory tree of small files.
+
+Local training always commits to a fast local directory first (see tiered.py); a RemoteStore holds the
+durable copy: a mounted Google Drive folder (mounted.py) or the Drive API (gdrive.py). Finding the
+newest checkpoint and retention work on names and manifests only and never import pydrive2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+CHECKPOINTS = "checkpoints"
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    size: int
+    md5: str | None = None  # Drive reports md5Checksum; a mounted folder does not
+
+
+class RemoteStore(Protocol):
+    """Files addressed by (folder, name); folder is "" for the run root or a checkpoint dir name."""
+
+    description: str
+
+    def list_checkpoints(self) -> list[str]:
+        """Names of the checkpoint folders (``step-*``)."""
+        ...
+
+    def list_files(self, folder: str) -> dict[str, RemoteFile]: ...
+
+    def put_file(self, folder: str, name: str, source: Path) -> RemoteFile:
+        """Upload ``source``, replacing a file of that name; returns what the remote verified."""
+        ...
+
+    def get_file(self, folder: str, name: str, target: Path) -> None: ...
+
+    def delete_folder(self, folder: str) -> None:
+        """Delete a checkpoint folder permanently (not to the trash)."""
+        ...

@@ -1,0 +1,206 @@
+"""Google Drive API storage through pydrive2, made boring: retries, timeouts, no duplicates, no trash.
+
+pydrive2 itself never retries, has no HTTP timeout unless given one, creates a second file when a name
+is uploaded again, and raises a bare JSONDecodeError on a non-JSON error body. Here every call is
+retried on transient errors (403 rate limits, 429, 5xx, resets, timeouts, HTML bodies) with backoff and
+jitter; files are found by ``'<id>' in parents`` queries and overwritten by id; folders are deleted
+permanently; ``storageQuotaExceeded`` is reported, never retried.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .base import CHECKPOINTS, RemoteFile
+from .retry import RetryPolicy, StorageError, TransientStorageError
+
+SCHEME = "gdrive://"
+FOLDER_MIME = "application/vnd.google-apps.folder"
+_RETRY_REASONS = {"userRateLimitExceeded", "rateLimitExceeded", "backendError", "internalError"}
+
+
+@dataclass(frozen=True)
+class DriveLocation:
+    root_id: str  # a folder id, or "root" for My Drive
+    path: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, url: str) -> DriveLocation:
+        """``gdrive://<folder-id or root>/<sub/path>`` → location.
+
+        >>> DriveLocation.parse("gdrive://root/runs/t")
+        DriveLocation(root_id='root', path=('runs', 't'))
+        """
+        if not url.startswith(SCHEME):
+            raise ValueError(f"{url!r} is not a gdrive:// URL")
+        parts = [p for p in url[len(SCHEME):].split("/") if p]
+        if not parts:
+            raise ValueError(f"{url!r} names no folder; use gdrive://root/<path> or gdrive://<folder-id>/<path>")
+        for part in parts:
+            if part in (".", "..") or "'" in part or "\\" in part:
+                raise ValueError(f"{url!r}: folder name {part!r} is not allowed")
+        return cls(parts[0], tuple(parts[1:]))
+
+
+def is_drive_url(run_dir: str) -> bool:
+    return str(run_dir).startswith(SCHEME)
+
+
+def _http_status(error: BaseException) -> tuple[int | None, str]:
+    """(status, reason) of a googleapiclient/pydrive2 error, also when the body was not JSON."""
+    from googleapiclient.errors import HttpError
+    from pydrive2.files import ApiRequestError
+
+    if isinstance(error, ApiRequestError):
+        errors = error.error.get("errors") or [{}]
+        return error.error.get("code"), str(errors[0].get("reason", ""))
+    cause = error if isinstance(error, HttpError) else error.__context__
+    if isinstance(cause, HttpError):
+        reason = ""
+        try:
+            body = json.loads(cause.content.decode("utf-8"))
+            reason = str(((body.get("error") or {}).get("errors") or [{}])[0].get("reason", ""))
+        except (ValueError, AttributeError, UnicodeDecodeError):
+            reason = "non-JSON error body"
+        return int(cause.resp.status), reason
+    return None, ""
+
+
+def classify(error: BaseException) -> StorageError | None:
+    """Map an exception from pydrive2/googleapiclient/httplib2 to a storage error (None: not one)."""
+    status, reason = _http_status(error)
+    if status is not None:
+        if reason == "storageQuotaExceeded":
+            return StorageError("the Drive storage quota is exceeded (storageQuotaExceeded): free space in "
+                                "Drive (and empty its trash) or mirror to another account; checkpoints stay "
+                                "committed locally")
+        if status in (429, 500, 502, 503, 504) or (status == 403 and reason in _RETRY_REASONS):
+            return TransientStorageError(f"HTTP {status} {reason}".strip())
+        return StorageError(f"HTTP {status} {reason}".strip())
+    if isinstance(error, (TimeoutError, socket.timeout, ConnectionError, http.client.HTTPException)):
+        return TransientStorageError(f"{type(error).__name__}: {error}")
+    if isinstance(error, OSError) or type(error).__module__.startswith("httplib2"):
+        return TransientStorageError(f"{type(error).__name__}: {error}")
+    return None
+
+
+class GDriveStore:
+    """A run folder on Google Drive: ``<location>/checkpoints/step-*/...`` plus run-level files."""
+
+    def __init__(self, drive: Any, location: DriveLocation, policy: RetryPolicy | None = None,
+                 url: str = "") -> None:
+        self.drive = drive  # a pydrive2 GoogleDrive
+        self.location = location
+        self.policy = policy or RetryPolicy()
+        self.description = f"Google Drive {url or location}"
+        self._folders: dict[tuple[str, ...], str] = {}
+
+    # -- low level ---------------------------------------------------------------------------------
+    def _call(self, action, what: str):
+        return self.policy.call(action, classify, f"{what} on {self.description}")
+
+    def _children(self, parent_id: str, title: str | None = None, folders: bool | None = None) -> list[Any]:
+        clauses = [f"'{parent_id}' in parents", "trashed=false"]
+        if title is not None:
+            clauses.append(f"title='{title}'")
+        if folders is True:
+            clauses.append(f"mimeType='{FOLDER_MIME}'")
+        elif folders is False:
+            clauses.append(f"mimeType!='{FOLDER_MIME}'")
+        query = {"q": " and ".join(clauses), "maxResults": 1000}
+        return self._call(lambda: self.drive.ListFile(query).GetList(), f"listing {title or parent_id}")
+
+    def _folder_id(self, parts: tuple[str, ...], create: bool) -> str | None:
+        if not parts:
+            return self.location.root_id
+        if parts in self._folders:
+            return self._folders[parts]
+        parent = self._folder_id(parts[:-1], create)
+        if parent is None:
+            return None
+        found = self._children(parent, parts[-1], folders=True)
+        if found:
+            folder_id = found[0]["id"]
+        elif create:
+            def make():
+                again = self._children(parent, parts[-1], folders=True)  # a retried create may have landed
+                if again:
+                    return again[0]["id"]
+                folder = self.drive.CreateFile({"title": parts[-1], "mimeType": FOLDER_MIME,
+                                                "parents": [{"id": parent}]})
+                folder.Upload()
+                return folder["id"]
+
+            folder_id = self._call(make, f"creating folder {'/'.join(parts)}")
+        else:
+            return None
+        self._folders[parts] = folder_id
+        return folder_id
+
+    def _parts(self, folder: str) -> tuple[str, ...]:
+        return self.location.path + ((CHECKPOINTS, folder) if folder else ())
+
+    # -- RemoteStore -------------------------------------------------------------------------------
+    def list_checkpoints(self) -> list[str]:
+        parent = self._folder_id(self.location.path + (CHECKPOINTS,), create=False)
+        if parent is None:
+            return []
+        return sorted(f["title"] for f in self._children(parent, folders=True))
+
+    def list_files(self, folder: str) -> dict[str, RemoteFile]:
+        parent = self._folder_id(self._parts(folder), create=False)
+        if parent is None:
+            return {}
+        files: dict[str, RemoteFile] = {}
+        for item in sorted(self._children(parent, folders=False), key=lambda f: f.get("modifiedDate", "")):
+            files[item["title"]] = RemoteFile(int(item.get("fileSize", 0)), item.get("md5Checksum"))
+        return files
+
+    def put_file(self, folder: str, name: str, source: Path) -> RemoteFile:
+        parent = self._folder_id(self._parts(folder), create=True)
+
+        def upload() -> RemoteFile:
+            existing = self._children(parent, name, folders=False)
+            if existing:  # overwrite by id: uploading the name again would create a duplicate
+                remote = self.drive.CreateFile({"id": existing[0]["id"]})
+            else:
+                remote = self.drive.CreateFile({"title": name, "parents": [{"id": parent}],
+                                                "mimeType": "application/octet-stream"})
+            try:
+                remote.SetContentFile(str(source))
+                remote.Upload()
+            finally:
+                content = getattr(remote, "content", None)
+                if content is not None and not content.closed:
+                    content.close()
+            if "md5Checksum" not in remote or "fileSize" not in remote:
+                remote.FetchMetadata(fields="fileSize,md5Checksum")
+            return RemoteFile(int(remote["fileSize"]), remote["md5Checksum"])
+
+        return self._call(upload, f"uploading {folder + '/' if folder else ''}{name}")
+
+    def get_file(self, folder: str, name: str, target: Path) -> None:
+        parent = self._folder_id(self._parts(folder), create=False)
+        found = self._children(parent, name, folders=False) if parent else []
+        if not found:
+            raise StorageError(f"{name} is not in {folder or 'the run folder'} on {self.description}")
+        file_id = found[-1]["id"]
+        self._call(lambda: self.drive.CreateFile({"id": file_id}).GetContentFile(str(target)),
+                   f"downloading {name}")
+
+    def delete_folder(self, folder: str) -> None:
+        parent = self._folder_id(self._parts(folder), create=False)
+        if parent is None:
+            return
+        children = self._children(parent, folders=False)
+        # Manifest first, so a half-deleted folder is never a checkpoint; Delete() skips the trash,
+        # so rotating checkpoints never fills the quota.
+        for item in sorted(children, key=lambda f: f["title"] != "manifest.json"):
+            self._call(lambda i=item: self.drive.CreateFile({"id": i["id"]}).Delete(), f"deleting {item['title']}")
+        self._call(lambda: self.drive.CreateFile({"id": parent}).Delete(), f"deleting folder {folder}")
+        self._folders.pop(self._parts(folder), None)

@@ -1,0 +1,100 @@
+"""A mounted Google Drive folder (Colab's /content/drive) treated as slow and unreliable storage.
+
+The mount writes to a local cache and uploads later; it drops with ``OSError: [Errno 107] Transport
+endpoint is not connected`` and fails with EIO. Every operation is retried with backoff; a copy is
+written under a temporary name, fsynced, renamed, and its size checked afterwards.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+from .base import CHECKPOINTS, RemoteFile
+from .retry import RetryPolicy, StorageError, TransientStorageError
+
+COLAB_DRIVE = Path("/content/drive")
+_TRANSIENT = {errno.ENOTCONN, errno.EIO, errno.ETIMEDOUT, errno.EAGAIN, errno.ESTALE, errno.EBUSY}
+
+
+def is_mounted_drive(path: str | os.PathLike[str]) -> bool:
+    resolved = Path(path).expanduser().absolute()
+    return resolved == COLAB_DRIVE or COLAB_DRIVE in resolved.parents
+
+
+def _classify(error: BaseException) -> StorageError | None:
+    if isinstance(error, OSError):
+        if error.errno in _TRANSIENT:
+            return TransientStorageError(f"{error} — if this persists, remount Drive: "
+                                         "drive.mount('/content/drive', force_remount=True)")
+        return StorageError(str(error))
+    return None
+
+
+class MountedDirStore:
+    def __init__(self, root: Path, policy: RetryPolicy | None = None) -> None:
+        self.root = Path(root)
+        self.policy = policy or RetryPolicy()
+        self.description = f"mounted folder {self.root}"
+
+    def _dir(self, folder: str) -> Path:
+        return self.root / CHECKPOINTS / folder if folder else self.root
+
+    def _retry(self, action, what: str):
+        return self.policy.call(action, _classify, f"{what} on {self.description}")
+
+    def list_checkpoints(self) -> list[str]:
+        def listing() -> list[str]:
+            base = self.root / CHECKPOINTS
+            return sorted(p.name for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+
+        return self._retry(listing, "listing checkpoints")
+
+    def list_files(self, folder: str) -> dict[str, RemoteFile]:
+        def listing() -> dict[str, RemoteFile]:
+            base = self._dir(folder)
+            if not base.is_dir():
+                return {}
+            return {p.name: RemoteFile(p.stat().st_size) for p in base.iterdir()
+                    if p.is_file() and ".tmp-" not in p.name}
+
+        return self._retry(listing, f"listing {folder or 'the run folder'}")
+
+    def put_file(self, folder: str, name: str, source: Path) -> RemoteFile:
+        size = source.stat().st_size
+
+        def copy() -> RemoteFile:
+            target_dir = self._dir(folder)
+            target_dir.mkdir(parents=True, exist_ok=True)
+            tmp = target_dir / f".{name}.tmp-{os.getpid()}"
+            with open(source, "rb") as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(tmp, target_dir / name)
+            written = (target_dir / name).stat().st_size
+            if written != size:
+                raise OSError(errno.EIO, f"{name} has {written} bytes on the mount, expected {size}")
+            return RemoteFile(written)
+
+        return self._retry(copy, f"copying {name}")
+
+    def get_file(self, folder: str, name: str, target: Path) -> None:
+        def copy() -> None:
+            shutil.copyfile(self._dir(folder) / name, target)
+
+        self._retry(copy, f"reading {name}")
+
+    def delete_folder(self, folder: str) -> None:
+        # On the Colab mount a deleted file goes to Drive's trash (the mount offers no permanent delete);
+        # checkpoints here are few and rotate slowly, and the Drive API store deletes permanently.
+        def remove() -> None:
+            path = self._dir(folder)
+            manifest = path / "manifest.json"
+            if manifest.exists():
+                manifest.unlink()  # manifest first: a half-deleted folder is never a checkpoint
+            shutil.rmtree(path, ignore_errors=False)
+
+        self._retry(remove, f"deleting {folder}")

@@ -1,0 +1,54 @@
+"""Retrying transient storage errors with truncated exponential backoff and full jitter."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class StorageError(Exception):
+    """A storage operation failed for good; the message says what to do."""
+
+
+class TransientStorageError(StorageError):
+    """A failure worth retrying (rate limit, 5xx, reset connection, timeout, a dropped mount)."""
+
+
+@dataclass
+class RetryPolicy:
+    """``attempts`` tries in all; waits up to ``base_s``·2^k (capped at ``max_s``), uniformly jittered."""
+
+    attempts: int = 8
+    base_s: float = 1.0
+    max_s: float = 64.0
+    sleep: Callable[[float], None] = time.sleep
+    retries: int = field(default=0, compare=False)  # retries performed, for reporting
+
+    def delay(self, attempt: int) -> float:
+        return random.uniform(0.0, min(self.max_s, self.base_s * 2 ** attempt))
+
+    def call(self, action: Callable[[], T], classify: Callable[[BaseException], StorageError | None],
+             what: str) -> T:
+        """Run ``action``; errors that ``classify`` maps to TransientStorageError are retried.
+
+        ``classify`` returns the StorageError to raise (transient or not) or None for errors that are
+        not storage errors at all (programming errors), which propagate unchanged.
+        """
+        for attempt in range(self.attempts):
+            try:
+                return action()
+            except Exception as e:  # classified below; unknown errors re-raised as they are
+                mapped = classify(e)
+                if mapped is None:
+                    raise
+                if not isinstance(mapped, TransientStorageError) or attempt + 1 == self.attempts:
+                    suffix = f" after {attempt + 1} attempts" if attempt else ""
+                    raise type(mapped)(f"{what} failed{suffix}: {mapped}") from e
+                self.retries += 1
+                self.sleep(self.delay(attempt))
+        raise AssertionError("unreachable")

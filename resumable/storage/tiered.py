@@ -1,0 +1,196 @@
+"""Tiered storage: commit locally first (fast), mirror committed checkpoints to a RemoteStore in the
+background, and on a fresh machine bring the newest durable checkpoint back before resuming.
+
+A checkpoint is durable remotely only once every payload file is uploaded and verified (size, and md5
+where the remote reports one) and then its manifest is uploaded: a remote folder without a manifest is
+never a checkpoint. Remote pruning follows local retention and happens only after a newer checkpoint
+is durable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..checkpoint import CheckpointManager
+from ..checkpoint import format as fmt
+from .base import RemoteFile, RemoteStore
+from .retry import StorageError
+
+METRICS = "metrics.jsonl"
+
+
+def md5_file(path: Path) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def remote_manifest(remote: RemoteStore, folder: str, scratch: Path) -> dict | None:
+    """The remote manifest of ``folder`` if it is complete (listed files present with their sizes)."""
+    files = remote.list_files(folder)
+    if fmt.MANIFEST not in files:
+        return None
+    target = scratch / f".{folder}.manifest"
+    remote.get_file(folder, fmt.MANIFEST, target)
+    try:
+        manifest = json.loads(target.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    finally:
+        target.unlink(missing_ok=True)
+    for name, expected in manifest.get("files", {}).items():
+        if name not in files or files[name].size != expected.get("size"):
+            return None
+    return manifest
+
+
+def durable_steps(remote: RemoteStore, scratch: Path) -> list[int]:
+    """Steps whose checkpoint is complete on the remote, oldest first."""
+    steps = []
+    for folder in remote.list_checkpoints():
+        step = fmt.parse_step_dir(folder)
+        if step is not None and remote_manifest(remote, folder, scratch) is not None:
+            steps.append(step)
+    return sorted(steps)
+
+
+def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
+                   say: Callable[[str], None]) -> int | None:
+    """If the remote holds a checkpoint newer than every valid local one, download it (payload first,
+    sha256-verified, manifest last) with the run's metrics. Returns the step brought back, if any."""
+    latest_local, _ = local.latest_valid()
+    floor = latest_local.step if latest_local else -1
+    local.root.mkdir(parents=True, exist_ok=True)
+    for folder in sorted(remote.list_checkpoints(), key=lambda n: fmt.parse_step_dir(n) or -1, reverse=True):
+        step = fmt.parse_step_dir(folder)
+        if step is None or step <= floor:
+            continue
+        manifest = remote_manifest(remote, folder, local.root)
+        if manifest is None:
+            say(f"warning: skipping remote {folder} on {remote.description}: incomplete upload")
+            continue
+        target = local.root / folder
+        target.mkdir(exist_ok=True)
+        (target / fmt.MANIFEST).unlink(missing_ok=True)
+        for name in manifest["files"]:
+            remote.get_file(folder, name, target / name)
+        try:
+            fmt.verify_files(target, manifest, deep=True)
+        except fmt.InvalidCheckpoint as e:
+            say(f"warning: remote {folder} on {remote.description} does not verify ({e}); trying an older one")
+            continue
+        if METRICS in remote.list_files(""):
+            remote.get_file("", METRICS, run_dir / METRICS)
+        fmt.write_json_atomic(target / fmt.MANIFEST, manifest)
+        say(f"brought checkpoint step {step} back from {remote.description}")
+        return step
+    return None
+
+
+class Mirror:
+    """Uploads committed local checkpoints to ``remote`` on one background thread.
+
+    ``submit(step)`` is called after a local commit; if several are queued only the newest is uploaded
+    (older ones would be pruned anyway). ``flush(timeout)`` waits at exit.
+    """
+
+    def __init__(self, local: CheckpointManager, remote: RemoteStore, run_dir: Path,
+                 say: Callable[[str], None]) -> None:
+        self.local = local
+        self.remote = remote
+        self.run_dir = run_dir
+        self.say = say
+        self.durable: set[int] = set()
+        self.errors: list[str] = []
+        self.bytes = 0
+        self.upload_s = 0.0
+        self._queue: queue.Queue[int | None] = queue.Queue()
+        self._pending: set[int] = set()
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="resumable-mirror", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int) -> None:
+        with self._lock:
+            self._pending.add(step)
+            self._idle.clear()
+        self._queue.put(step)
+
+    def _run(self) -> None:
+        while True:
+            step = self._queue.get()
+            if step is None:
+                return
+            with self._lock:
+                if not self._pending or step != max(self._pending):
+                    self._pending.discard(step)
+                    if not self._pending:
+                        self._idle.set()
+                    continue
+            try:
+                self._upload(step)
+                self._prune()
+            except StorageError as e:
+                self.errors.append(f"step {step}: {e}")
+                self.say(f"warning: mirroring step {step} to {self.remote.description} failed: {e}")
+            except OSError as e:  # the local copy vanished (pruned meanwhile): nothing to mirror
+                self.errors.append(f"step {step}: {e}")
+            with self._lock:
+                self._pending.discard(step)
+                if not self._pending:
+                    self._idle.set()
+
+    def _upload(self, step: int) -> None:
+        started = time.monotonic()
+        folder = fmt.step_dir_name(step)
+        source = self.local.root / folder
+        manifest = fmt.read_manifest(source)
+        for name in sorted(manifest["files"]):
+            path = source / name
+            got = self.remote.put_file(folder, name, path)
+            self._verify(name, path, got)
+            self.bytes += got.size
+        metrics = self.run_dir / METRICS
+        if metrics.exists():
+            # The records up to this step are in the file (flushed before the commit); newer ones are
+            # rolled back on resume.
+            self.remote.put_file("", METRICS, metrics)
+        self.remote.put_file(folder, fmt.MANIFEST, source / fmt.MANIFEST)  # last: now it exists remotely
+        self.durable.add(step)
+        self.upload_s += time.monotonic() - started
+
+    @staticmethod
+    def _verify(name: str, path: Path, got: RemoteFile) -> None:
+        size = path.stat().st_size
+        if got.size != size:
+            raise StorageError(f"{name}: remote has {got.size} bytes, local {size}")
+        if got.md5 is not None and got.md5 != md5_file(path):
+            raise StorageError(f"{name}: remote md5 {got.md5} does not match the local file")
+
+    def _prune(self) -> None:
+        keep = {step for step, _ in self.local.step_dirs()}
+        newest = max(self.durable)
+        for folder in self.remote.list_checkpoints():
+            step = fmt.parse_step_dir(folder)
+            if step is not None and step < newest and step not in keep:
+                self.remote.delete_folder(folder)
+                self.durable.discard(step)
+
+    def flush(self, timeout: float) -> list[int]:
+        """Wait up to ``timeout`` s for pending uploads; returns the steps still not durable."""
+        self._idle.wait(timeout)
+        with self._lock:
+            return sorted(self._pending)
+
+    def close(self) -> None:
+        self._queue.put(None)
