@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -147,28 +149,59 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.argument("run_dir")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def inspect(run_dir: str, as_json: bool) -> None:
-    """List the checkpoints of RUN_DIR: step, epoch, time, size, valid or why not."""
-    from .checkpoint import CheckpointManager, checkpoints_dir
+@click.option("--drive-credentials", type=click.Path(dir_okay=False), default=None,
+              help="Credentials for gdrive:// run dirs (see resumable-train --help).")
+def inspect(run_dir: str, as_json: bool, drive_credentials: str | None) -> None:
+    """List the checkpoints of RUN_DIR: step, epoch, time, size, valid or why not.
 
-    infos = CheckpointManager(checkpoints_dir(run_dir)).inspect(deep=True)
-    latest = next((i for i in reversed(infos) if i.valid), None)
+    For a Drive run dir (gdrive:// or a mounted Drive folder) it lists what is on Drive and whether each
+    checkpoint is durable there (every file uploaded and verified, then its manifest).
+    """
+    from .checkpoint import CheckpointManager, checkpoints_dir
+    from .storage import StorageError, open_run_location
+    from .storage.tiered import describe_remote
+
+    try:
+        location = open_run_location(run_dir, credentials=drive_credentials)
+        if location.remote is not None:
+            with tempfile.TemporaryDirectory() as scratch:
+                entries = describe_remote(location.remote, Path(scratch))
+        else:
+            entries = [i.to_json() for i in CheckpointManager(checkpoints_dir(run_dir)).inspect(deep=True)]
+    except StorageError as e:
+        _fail(str(e))
+    latest = next((e for e in reversed(entries) if e["valid"]), None)
     if as_json:
-        click.echo(json.dumps({"run_dir": run_dir, "checkpoints": [i.to_json() for i in infos],
-                               "latest_valid": latest.to_json() if latest else None}, indent=2))
+        click.echo(json.dumps({"run_dir": run_dir, "checkpoints": entries, "latest_valid": latest}, indent=2))
         return
-    if not infos:
-        click.echo(f"no checkpoints in {checkpoints_dir(run_dir)}")
+    if not entries:
+        click.echo(f"no checkpoints in {run_dir}")
         return
-    click.echo(f"{'step':>10} {'epoch':>6} {'created':>25} {'size':>10}  status")
-    for info in infos:
-        created = (info.manifest or {}).get("created", "-")
-        status = "valid" if info.valid else f"INVALID: {info.reason}"
-        marker = "  <- latest valid" if info is latest else ""
-        click.echo(f"{info.step:>10} {info.epoch if info.epoch is not None else '-':>6} {created:>25} "
-                   f"{info.size / 1e6:>8.2f}MB  {status}{marker}")
+    click.echo(f"{'step':>10} {'epoch':>6} {'created':>20} {'size':>10}  status")
+    for entry in entries:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry["created"])) if entry["created"] else "-"
+        size = f"{entry['size'] / 1e6:8.2f}MB" if entry.get("size") is not None else "-"
+        status = ("durable on Drive" if entry.get("durable") else "valid") if entry["valid"] \
+            else f"INVALID: {entry['reason']}"
+        marker = "  <- latest valid" if entry is latest else ""
+        epoch = entry["epoch"] if entry["epoch"] is not None else "-"
+        click.echo(f"{entry['step']:>10} {epoch:>6} {created:>20} {size:>10}  {status}{marker}")
+
+
+@main.command("drive-login")
+@click.option("--client-secrets", type=click.Path(exists=True, dir_okay=False), required=True,
+              help="OAuth client secrets JSON of a 'Desktop app' client from the Google Cloud console.")
+@click.option("--token", type=click.Path(dir_okay=False), default=None,
+              help="Where to save the token (default ~/.config/resumable/drive-token.json, mode 0600).")
+def drive_login(client_secrets: str, token: str | None) -> None:
+    """Authorise resumable to use your Google Drive from a shell (command-line OAuth flow)."""
+    from .storage.auth import DEFAULT_TOKEN
+    from .storage.auth import drive_login as login
+
+    path = login(client_secrets, Path(token) if token else DEFAULT_TOKEN)
+    click.echo(f"saved a Drive token to {path} (readable by you only); gdrive:// run dirs will use it")
 
 
 @main.command()

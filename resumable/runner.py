@@ -210,6 +210,9 @@ def _flush_mirror(mirror: Mirror, cfg: TrainConfig) -> None:
         say(f"warning: checkpoint(s) {', '.join(map(str, pending))} are committed locally in {mirror.local.root} "
             f"but not yet durable on {mirror.remote.description} after --drive-flush-timeout "
             f"{cfg.drive_flush_timeout}; keep this machine up and run again, or raise the timeout")
+    if mirror.errors:
+        say(f"error: {len(mirror.errors)} upload(s) to {mirror.remote.description} failed ({mirror.errors[-1]}); "
+            f"those checkpoints exist only in {mirror.local.root}")
     elif mirror.durable:
         say(f"mirrored to {mirror.remote.description}: newest durable checkpoint step {max(mirror.durable)}, "
             f"{mirror.bytes / 1e6:.1f} MB uploaded in {mirror.upload_s:.1f}s")

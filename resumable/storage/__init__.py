@@ -31,10 +31,13 @@ class RunLocation:
 
 
 def open_run_location(run_dir: str, cache_dir: str | None = None, credentials: str | None = None,
-                      timeout: float = 60.0, policy: RetryPolicy | None = None) -> RunLocation:
+                      timeout: float | None = None, policy: RetryPolicy | None = None) -> RunLocation:
     """Resolve ``--run-dir``: a plain path is used as is; a mounted Drive path or gdrive:// URL gets a
     local cache (``--cache-dir``/<hash of the run dir>) and a remote store."""
     remote: RemoteStore | None = None
+    # pydrive2 has no HTTP timeout by default: a stalled connection would hang training's exit forever.
+    timeout = timeout or float(os.environ.get("RESUMABLE_DRIVE_TIMEOUT", "60"))
+    policy = policy or RetryPolicy.from_env()
     if is_drive_url(run_dir):
         from pydrive2.drive import GoogleDrive
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .base import CHECKPOINTS, RemoteFile
-from .retry import RetryPolicy, StorageError, TransientStorageError
+from .retry import MissingFile, RetryPolicy, StorageError, TransientStorageError
 
 SCHEME = "gdrive://"
 FOLDER_MIME = "application/vnd.google-apps.folder"
@@ -59,7 +59,11 @@ def _http_status(error: BaseException) -> tuple[int | None, str]:
     if isinstance(error, ApiRequestError):
         errors = error.error.get("errors") or [{}]
         return error.error.get("code"), str(errors[0].get("reason", ""))
-    cause = error if isinstance(error, HttpError) else error.__context__
+    # pydrive2 parses every error body as JSON: an HTML body turns into a JSONDecodeError raised while the
+    # HttpError was being handled, so the HttpError is found down the __context__ chain.
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, HttpError):
+        cause = cause.__context__
     if isinstance(cause, HttpError):
         reason = ""
         try:
@@ -81,6 +85,8 @@ def classify(error: BaseException) -> StorageError | None:
                                 "committed locally")
         if status in (429, 500, 502, 503, 504) or (status == 403 and reason in _RETRY_REASONS):
             return TransientStorageError(f"HTTP {status} {reason}".strip())
+        if status == 404:
+            return MissingFile(f"HTTP 404 {reason}".strip())
         return StorageError(f"HTTP {status} {reason}".strip())
     if isinstance(error, (TimeoutError, socket.timeout, ConnectionError, http.client.HTTPException)):
         return TransientStorageError(f"{type(error).__name__}: {error}")
@@ -97,7 +103,7 @@ class GDriveStore:
         self.drive = drive  # a pydrive2 GoogleDrive
         self.location = location
         self.policy = policy or RetryPolicy()
-        self.description = f"Google Drive {url or location}"
+        self.description = f"Google Drive {url or 'gdrive://' + '/'.join((location.root_id, *location.path))}"
         self._folders: dict[tuple[str, ...], str] = {}
 
     # -- low level ---------------------------------------------------------------------------------
@@ -188,7 +194,7 @@ class GDriveStore:
         parent = self._folder_id(self._parts(folder), create=False)
         found = self._children(parent, name, folders=False) if parent else []
         if not found:
-            raise StorageError(f"{name} is not in {folder or 'the run folder'} on {self.description}")
+            raise MissingFile(f"{name} is not in {folder or 'the run folder'} on {self.description}")
         file_id = found[-1]["id"]
         self._call(lambda: self.drive.CreateFile({"id": file_id}).GetContentFile(str(target)),
                    f"downloading {name}")

@@ -13,15 +13,18 @@ import shutil
 from pathlib import Path
 
 from .base import CHECKPOINTS, RemoteFile
-from .retry import RetryPolicy, StorageError, TransientStorageError
+from .retry import MissingFile, RetryPolicy, StorageError, TransientStorageError
 
 COLAB_DRIVE = Path("/content/drive")
+# Other Drive mounts (rclone, google-drive-ocamlfuse, a test's flaky folder) can be named here.
+MOUNT_ENV = "RESUMABLE_DRIVE_MOUNT"
 _TRANSIENT = {errno.ENOTCONN, errno.EIO, errno.ETIMEDOUT, errno.EAGAIN, errno.ESTALE, errno.EBUSY}
 
 
 def is_mounted_drive(path: str | os.PathLike[str]) -> bool:
     resolved = Path(path).expanduser().absolute()
-    return resolved == COLAB_DRIVE or COLAB_DRIVE in resolved.parents
+    mounts = [COLAB_DRIVE] + ([Path(os.environ[MOUNT_ENV]).absolute()] if os.environ.get(MOUNT_ENV) else [])
+    return any(resolved == mount or mount in resolved.parents for mount in mounts)
 
 
 def _classify(error: BaseException) -> StorageError | None:
@@ -29,6 +32,8 @@ def _classify(error: BaseException) -> StorageError | None:
         if error.errno in _TRANSIENT:
             return TransientStorageError(f"{error} — if this persists, remount Drive: "
                                          "drive.mount('/content/drive', force_remount=True)")
+        if error.errno == errno.ENOENT:
+            return MissingFile(str(error))
         return StorageError(str(error))
     return None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable
@@ -13,6 +14,10 @@ T = TypeVar("T")
 
 class StorageError(Exception):
     """A storage operation failed for good; the message says what to do."""
+
+
+class MissingFile(StorageError):
+    """The file or folder is not there (deleted meanwhile, or never uploaded)."""
 
 
 class TransientStorageError(StorageError):
@@ -28,6 +33,12 @@ class RetryPolicy:
     max_s: float = 64.0
     sleep: Callable[[float], None] = time.sleep
     retries: int = field(default=0, compare=False)  # retries performed, for reporting
+
+    @classmethod
+    def from_env(cls) -> RetryPolicy:
+        """Defaults, with RESUMABLE_RETRY_BASE_S / RESUMABLE_RETRY_ATTEMPTS overriding (tests use short waits)."""
+        return cls(attempts=int(os.environ.get("RESUMABLE_RETRY_ATTEMPTS", cls.attempts)),
+                   base_s=float(os.environ.get("RESUMABLE_RETRY_BASE_S", cls.base_s)))
 
     def delay(self, attempt: int) -> float:
         return random.uniform(0.0, min(self.max_s, self.base_s * 2 ** attempt))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from pathlib import Path
 from ..checkpoint import CheckpointManager
 from ..checkpoint import format as fmt
 from .base import RemoteFile, RemoteStore
-from .retry import StorageError
+from .retry import MissingFile, StorageError
 
 METRICS = "metrics.jsonl"
 
@@ -39,7 +38,10 @@ def remote_manifest(remote: RemoteStore, folder: str, scratch: Path) -> dict | N
     if fmt.MANIFEST not in files:
         return None
     target = scratch / f".{folder}.manifest"
-    remote.get_file(folder, fmt.MANIFEST, target)
+    try:
+        remote.get_file(folder, fmt.MANIFEST, target)
+    except MissingFile:  # pruned between listing and reading
+        return None
     try:
         manifest = json.loads(target.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
@@ -60,6 +62,23 @@ def durable_steps(remote: RemoteStore, scratch: Path) -> list[int]:
         if step is not None and remote_manifest(remote, folder, scratch) is not None:
             steps.append(step)
     return sorted(steps)
+
+
+def describe_remote(remote: RemoteStore, scratch: Path) -> list[dict]:
+    """One entry per remote checkpoint folder, oldest first, saying whether it is durable."""
+    entries = []
+    for folder in remote.list_checkpoints():
+        step = fmt.parse_step_dir(folder)
+        if step is None:
+            continue
+        manifest = remote_manifest(remote, folder, scratch)
+        entries.append({"step": step, "epoch": (manifest or {}).get("epoch"), "durable": manifest is not None,
+                        "valid": manifest is not None,
+                        "reason": None if manifest else "incomplete upload (no manifest, or files missing)",
+                        "fingerprint": (manifest or {}).get("fingerprint"), "path": f"{remote.description}/{folder}",
+                        "created": (manifest or {}).get("created_unix"),
+                        "test_acc": ((manifest or {}).get("metrics") or {}).get("test_acc")})
+    return sorted(entries, key=lambda e: e["step"])
 
 
 def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
@@ -96,10 +115,12 @@ def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
 
 
 class Mirror:
-    """Uploads committed local checkpoints to ``remote`` on one background thread.
+    """Keeps ``remote`` in step with the local retention set, on one background thread.
 
-    ``submit(step)`` is called after a local commit; if several are queued only the newest is uploaded
-    (older ones would be pruned anyway). ``flush(timeout)`` waits at exit.
+    ``submit(step)`` is called after each local commit. The thread then uploads every locally kept
+    checkpoint that is not yet durable remotely, newest first (the most recent progress becomes durable
+    soonest), and deletes remote checkpoints that local retention dropped. ``flush(timeout)`` waits at
+    exit.
     """
 
     def __init__(self, local: CheckpointManager, remote: RemoteStore, run_dir: Path,
@@ -108,47 +129,48 @@ class Mirror:
         self.remote = remote
         self.run_dir = run_dir
         self.say = say
-        self.durable: set[int] = set()
+        self.durable: set[int] = set(durable_steps(remote, local.root)) if local.root.is_dir() else set()
         self.errors: list[str] = []
         self.bytes = 0
         self.upload_s = 0.0
-        self._queue: queue.Queue[int | None] = queue.Queue()
-        self._pending: set[int] = set()
-        self._lock = threading.Lock()
+        self._wake = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="resumable-mirror", daemon=True)
         self._thread.start()
 
     def submit(self, step: int) -> None:
-        with self._lock:
-            self._pending.add(step)
-            self._idle.clear()
-        self._queue.put(step)
+        self._idle.clear()
+        self._wake.set()
+
+    def _kept(self) -> list[int]:
+        return [info.step for info in self.local.inspect(deep=False) if info.valid]
+
+    def pending(self) -> list[int]:
+        return sorted(set(self._kept()) - self.durable)
 
     def _run(self) -> None:
         while True:
-            step = self._queue.get()
-            if step is None:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closed:
                 return
-            with self._lock:
-                if not self._pending or step != max(self._pending):
-                    self._pending.discard(step)
-                    if not self._pending:
-                        self._idle.set()
-                    continue
+            for step in reversed(self.pending()):
+                try:
+                    self._upload(step)
+                except StorageError as e:
+                    self.errors.append(f"step {step}: {e}")
+                    self.say(f"warning: mirroring step {step} to {self.remote.description} failed: {e}")
+                    break
+                except (OSError, fmt.InvalidCheckpoint):
+                    continue  # pruned locally meanwhile: nothing to mirror
             try:
-                self._upload(step)
                 self._prune()
             except StorageError as e:
-                self.errors.append(f"step {step}: {e}")
-                self.say(f"warning: mirroring step {step} to {self.remote.description} failed: {e}")
-            except OSError as e:  # the local copy vanished (pruned meanwhile): nothing to mirror
-                self.errors.append(f"step {step}: {e}")
-            with self._lock:
-                self._pending.discard(step)
-                if not self._pending:
-                    self._idle.set()
+                self.errors.append(f"pruning: {e}")
+            if not self._wake.is_set():
+                self._idle.set()
 
     def _upload(self, step: int) -> None:
         started = time.monotonic()
@@ -178,7 +200,9 @@ class Mirror:
             raise StorageError(f"{name}: remote md5 {got.md5} does not match the local file")
 
     def _prune(self) -> None:
-        keep = {step for step, _ in self.local.step_dirs()}
+        if not self.durable:
+            return
+        keep = set(self._kept())
         newest = max(self.durable)
         for folder in self.remote.list_checkpoints():
             step = fmt.parse_step_dir(folder)
@@ -187,10 +211,10 @@ class Mirror:
                 self.durable.discard(step)
 
     def flush(self, timeout: float) -> list[int]:
-        """Wait up to ``timeout`` s for pending uploads; returns the steps still not durable."""
+        """Wait up to ``timeout`` s for uploads; returns the kept steps still not durable remotely."""
         self._idle.wait(timeout)
-        with self._lock:
-            return sorted(self._pending)
+        return self.pending()
 
     def close(self) -> None:
-        self._queue.put(None)
+        self._closed = True
+        self._wake.set()
