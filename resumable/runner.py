@@ -16,6 +16,7 @@ from .checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, ch
 from .checkpoint.writer import CheckpointWriter, SaveFailed, SaveStats
 from .config import COMPUTATION_FIELDS, SESSION_FIELDS, TrainConfig, format_duration, parse_duration
 from .errors import ConfigMismatch, NothingToResume, ResumableError, RunDirInUse
+from .lock import RunLock
 from .loop import Loop, LoopPlan
 from .metrics import MetricsLog
 from .preemption import EXIT_RESUME, Budget, StopFlag, colab_default_limit_s, process_age_s
@@ -141,15 +142,27 @@ def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False)
                       keep=cfg.keep, keep_best=cfg.keep_best,
                       writer=CheckpointWriter(asynchronous=not cfg.sync_checkpoints), before_commit=metrics.sync,
                       after_commit=mirror.submit if mirror is not None else None)
-    state = session.state
+    if startup.checkpoint is not None:
+        _resume(session, startup, computation, cfg)
+    lock = RunLock(run_dir)
+    taken_over = lock.acquire()  # before anything in the run dir changes; raises RunDirInUse
+    if taken_over:
+        say(taken_over)
+    try:
+        return _run_locked(session, task, cfg, mode, overwrite, location, mirror, metrics)
+    finally:
+        lock.release()
 
+
+def _run_locked(session: Session, task: MnistTask, cfg: TrainConfig, mode: str, overwrite: bool,
+                location: RunLocation, mirror: Mirror | None, metrics: MetricsLog) -> TrainResult:
+    """Everything that modifies the run dir, under its lock."""
+    run_dir, manager, state, device = location.local_dir, session.manager, session.state, task.device
     if mode == "fresh" and overwrite:
         manager.delete_all()
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         for folder in location.remote.list_checkpoints() if location.remote is not None else ():
             location.remote.delete_folder(folder)
-    if startup.checkpoint is not None:
-        _resume(session, startup, computation, cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     manager.cleanup_incomplete()
     metrics.rollback(state.step)
