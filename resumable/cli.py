@@ -17,7 +17,8 @@ from .config import AMP_MODES, DEVICES, LR_SCHEDULES, TrainConfig, parse_duratio
 # click parameter name -> TrainConfig field, for options that map one to one.
 _CONFIG_OPTIONS = ("run_dir", "data_dir", "epochs", "max_steps", "batch_size", "lr", "seed", "device",
                    "lr_schedule", "amp", "checkpoint_steps", "checkpoint_every", "mtbf", "time_limit",
-                   "sync_checkpoints", "keep", "keep_best", "log_every", "download", "progress", "cache_dir",
+                   "sync_checkpoints", "on_save_error",
+                   "keep", "keep_best", "log_every", "download", "progress", "cache_dir",
                    "drive_credentials", "drive_flush_timeout")
 
 
@@ -84,6 +85,9 @@ def _fail(message: str) -> None:
               "(counted from process start). In Colab it defaults to the time left before the 12 h VM limit.")
 @click.option("--sync-checkpoints", is_flag=True, default=False,
               help="Write checkpoints on the training thread instead of in the background.")
+@click.option("--on-save-error", type=click.Choice(("warn", "stop")), default=TrainConfig.on_save_error,
+              show_default=True, help="When a checkpoint cannot be written (disk full, I/O error): warn loudly "
+              "and retry at the next trigger, or stop with exit 75.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Local cache for Drive run dirs (default: ~/.cache/resumable).")
 @click.option("--drive-credentials", type=click.Path(dir_okay=False), default=None,

@@ -46,6 +46,7 @@ class TrainConfig:
     mtbf: str = "1h"
     time_limit: str | None = None
     sync_checkpoints: bool = False
+    on_save_error: str = "warn"
     cache_dir: str | None = None
     drive_credentials: str | None = None
     drive_flush_timeout: str = "2m"
@@ -65,6 +66,8 @@ class TrainConfig:
         _require(self.device in DEVICES, "device", self.device, f"must be one of {', '.join(DEVICES)}")
         _require(self.lr_schedule in LR_SCHEDULES, "lr_schedule", self.lr_schedule,
                  f"must be one of {', '.join(LR_SCHEDULES)}")
+        _require(self.on_save_error in ("warn", "stop"), "on_save_error", self.on_save_error,
+                 "must be warn or stop")
         _require(self.amp in AMP_MODES, "amp", self.amp, f"must be one of {', '.join(AMP_MODES)}")
         for name in ("checkpoint_every", "mtbf", "time_limit", "drive_flush_timeout"):
             value = getattr(self, name)

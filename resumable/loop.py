@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from .checkpoint.writer import SaveFailed
 from .metrics import MetricsLog
 from .preemption import Budget, StopFlag
 from .sampler import ResumableSampler
@@ -24,6 +25,7 @@ class LoopPlan:
     max_steps: int | None = None
     log_every: int = 10
     progress: bool = True
+    on_save_error: str = "warn"  # "warn": keep training and retry at the next trigger; "stop": exit 75
 
 
 @dataclass
@@ -72,6 +74,7 @@ class Loop:
         self.stop = stop
         self.budget = budget or Budget(None)
         self.on_interval = on_interval
+        self._save_error: str | None = None  # set under --on-save-error stop
         self.step_time = _Estimate()
         self.eval_time = _Estimate()
         self._clock = time.monotonic()
@@ -88,6 +91,8 @@ class Loop:
 
     def _stop_reason(self) -> str | None:
         """Why training must stop before the next step, if it must."""
+        if self._save_error is not None:
+            return "save error"
         if self.stop is not None and self.stop.requested:
             return self.stop.requested
         last_of_epoch = self.state.batch_in_epoch + 1 >= self.sampler.batches_per_epoch
@@ -112,11 +117,31 @@ class Loop:
                 if reason is not None:
                     outcome = Outcome(False, reason)
                     break
-        if self.session.last_saved_step != self.state.step:
+        if self.session.last_saved_step != self.state.step and self._save_error is None:
             self._save(outcome.reason if not outcome.finished else "final")
         self.metrics.sync()
-        self.session.close()
+        if self._save_error is None:
+            self.session.close()  # the final save must succeed: its SaveFailed propagates
         return outcome
+
+    def _check_saves(self) -> None:
+        try:
+            self.session.writer.check()
+        except SaveFailed as e:
+            self._save_failed(e)
+
+    def _save_failed(self, error: SaveFailed) -> None:
+        """Apply --on-save-error: a failed save never counts, the newest valid checkpoint stays."""
+        latest, _ = self.session.manager.latest_valid()
+        newest = f"step {latest.step}" if latest else "none yet"
+        if self.plan.on_save_error == "stop":
+            self._save_error = str(error)
+            tqdm.write(f"resumable: error: {error}; the newest valid checkpoint is {newest}. Stopping "
+                       f"(--on-save-error stop)", file=sys.stderr)
+            return
+        self.session.last_saved_step = latest.step if latest else None  # so the end of training saves again
+        tqdm.write(f"resumable: WARNING: {error}; the newest valid checkpoint is still {newest}. Training goes on "
+                   f"and the next trigger tries again (use --on-save-error stop to stop instead)", file=sys.stderr)
 
     def _train_epoch(self) -> str | None:
         """Train to the end of the epoch (or max_steps); returns a stop reason if stopped early."""
@@ -135,7 +160,7 @@ class Loop:
                 if reason is not None:
                     state.epoch_loss_sum = loss_sum.item()
                     return reason
-                self.session.writer.check()  # a failed background save surfaces here
+                self._check_saves()  # a failed background save surfaces here
                 started = time.monotonic()
                 indices = sampler.batch(order, index)
                 loss = self.train_step(indices)
@@ -197,7 +222,10 @@ class Loop:
 
     def _save(self, reason: str, metrics: dict[str, float] | None = None) -> None:
         self._tick()
-        self.session.save(reason, metrics)
+        try:
+            self.session.save(reason, metrics)
+        except SaveFailed as e:  # an earlier background save, or this one when saving synchronously
+            self._save_failed(e)
         stats = self.session.writer.stats
         interval = self.triggers.saved(stats.last_blocked_s)
         if interval is not None and self.on_interval is not None:

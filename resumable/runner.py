@@ -176,7 +176,8 @@ def _run_locked(session: Session, task: MnistTask, cfg: TrainConfig, mode: str, 
         say(f"--checkpoint-every auto: a save blocks training {cost * 1000:.1f} ms, MTBF {cfg.mtbf} → "
             f"checkpoint every {format_duration(interval)}")
 
-    plan = LoopPlan(epochs=cfg.epochs, max_steps=cfg.max_steps, log_every=cfg.log_every, progress=cfg.progress)
+    plan = LoopPlan(epochs=cfg.epochs, max_steps=cfg.max_steps, log_every=cfg.log_every, progress=cfg.progress,
+                    on_save_error=cfg.on_save_error)
     with StopFlag() as stop:
         loop = Loop(session, task.sampler, plan, metrics, task.train_step, task.end_epoch, task.current_lr,
                     device, triggers=_triggers(cfg), stop=stop, budget=_budget(cfg),
@@ -200,8 +201,14 @@ def _run_locked(session: Session, task: MnistTask, cfg: TrainConfig, mode: str, 
                 _flush_mirror(mirror, cfg)
     say(session.writer.stats.summary())
     if not outcome.finished:
-        say(f"stopped early ({outcome.reason}): state committed at step {state.step}. "
-            f"Run the same command again to continue (exit code {EXIT_RESUME})")
+        if outcome.reason == "save error":
+            latest, _ = manager.latest_valid()
+            say(f"stopped early (a checkpoint could not be written): the newest valid checkpoint is step "
+                f"{latest.step if latest else 'none'}. Fix the cause (disk space, I/O errors), then run the same "
+                f"command again to continue from it (exit code {EXIT_RESUME})")
+        else:
+            say(f"stopped early ({outcome.reason}): state committed at step {state.step}. "
+                f"Run the same command again to continue (exit code {EXIT_RESUME})")
         return TrainResult(EXIT_RESUME, state, session.writer.stats)
     say(f"done at step {state.step}; newest checkpoint {manager.root / f'step-{state.step:09d}'}")
     return TrainResult(0, state, session.writer.stats)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -45,6 +47,7 @@ class Session:
         self.before_commit = before_commit
         self.after_commit = after_commit
         self._snapshotter = Snapshotter()
+        self._last_size = 0
         self.last_saved_step: int | None = None
         self.resumed_from: CheckpointInfo | None = None
 
@@ -61,6 +64,7 @@ class Session:
         or ``wait=True``). A failure of an earlier background save is raised here as SaveFailed."""
         started = time.perf_counter()
         self.writer.wait()  # at most one save in flight; its host buffers are about to be reused
+        self._check_free_space()
         payload = self.payload()
         if self.writer.asynchronous:
             payload = self._snapshotter.take(payload)
@@ -79,7 +83,12 @@ class Session:
             if self.before_commit is not None:
                 self.before_commit()
             info = self.manager.save(step, payload, meta)
-            self.manager.prune(self.keep, self.keep_best)
+            try:
+                self.manager.prune(self.keep, self.keep_best)
+            except OSError as e:  # the new checkpoint is committed; a failed prune only leaves extra ones
+                print(f"resumable: warning: pruning old checkpoints failed ({e}); they stay on disk and the next "
+                      f"save tries again", file=sys.stderr)
+            self._last_size = info.size
             if self.after_commit is not None:
                 self.after_commit(step)
             return info.size
@@ -88,6 +97,19 @@ class Session:
         self.last_saved_step = step
         if wait:
             self.writer.wait()
+
+    def _check_free_space(self) -> None:
+        """Warn before a save that will probably hit ENOSPC (the last checkpoint's size is the estimate)."""
+        if not self._last_size:
+            return
+        try:
+            free = shutil.disk_usage(self.manager.root).free
+        except OSError:
+            return
+        if free < self._last_size * 1.2:
+            print(f"resumable: warning: only {free / 1e6:.0f} MB free in {self.manager.root}, and a checkpoint "
+                  f"takes {self._last_size / 1e6:.0f} MB: the next save may fail (free space, or lower --keep)",
+                  file=sys.stderr)
 
     def close(self) -> None:
         """Wait for the last save; raises SaveFailed if it failed."""

@@ -1,0 +1,102 @@
+"""Disk faults while checkpointing: ENOSPC/EIO in the payload, the manifest, the fsync, and pruning.
+
+Whatever fails, the previous checkpoint stays the newest valid one, no partial checkpoint counts, and
+resuming still gives the uninterrupted result."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from helpers import final_fingerprint, records
+
+from resumable.checkpoint import CheckpointManager, checkpoints_dir
+from resumable.checkpoint import format as fmt
+from resumable.checkpoint import manager as manager_module
+from resumable.cli import train_command
+
+ARGS = ["--batch-size", "16", "--epochs", "3", "--checkpoint-steps", "2", "--log-every", "1", "--no-progress",
+        "--no-download"]
+
+
+def invoke(run_dir: Path, data: Path, *extra: str):
+    return CliRunner().invoke(train_command, ["--run-dir", str(run_dir), "--data-dir", str(data), *ARGS, *extra])
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_mnist: Path, tmp_path_factory: pytest.TempPathFactory):
+    run_dir = tmp_path_factory.mktemp("faults-reference")
+    assert invoke(run_dir, tiny_mnist).exit_code == 0
+    return final_fingerprint(run_dir), records(run_dir)
+
+
+def fail_once(monkeypatch: pytest.MonkeyPatch, module, name: str, code: int, on_call: int = 2):
+    """Make ``module.name`` raise OSError(code) on its ``on_call``-th call only."""
+    real = getattr(module, name)
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == on_call:
+            raise OSError(code, f"injected {errno.errorcode[code]}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, flaky)
+    return calls
+
+
+@pytest.mark.parametrize("target, code", [("write_payload", errno.ENOSPC), ("write_payload", errno.EIO),
+                                          ("write_json_atomic", errno.ENOSPC), ("write_json_atomic", errno.EIO),
+                                          ("fsync_dir", errno.EIO)],
+                         ids=["payload-ENOSPC", "payload-EIO", "manifest-ENOSPC", "manifest-EIO", "fsync-EIO"])
+def test_failed_save_warns_and_training_goes_on(tiny_mnist: Path, tmp_path: Path, monkeypatch, reference,
+                                                target: str, code: int) -> None:
+    fail_once(monkeypatch, fmt, target, code)
+    result = invoke(tmp_path, tiny_mnist)
+    assert result.exit_code == 0, result.output
+    assert "WARNING" in result.output and errno.errorcode[code] in result.output
+    assert "the newest valid checkpoint is still step 2" in result.output
+    infos = CheckpointManager(checkpoints_dir(tmp_path)).inspect()
+    assert infos[-1].valid and infos[-1].step == 18
+    assert (final_fingerprint(tmp_path), records(tmp_path)) == reference
+
+
+def test_on_save_error_stop_exits_75_and_resumes_identically(tiny_mnist: Path, tmp_path: Path, monkeypatch,
+                                                             reference) -> None:
+    fail_once(monkeypatch, fmt, "write_payload", errno.ENOSPC, on_call=3)
+    result = invoke(tmp_path, tiny_mnist, "--on-save-error", "stop")
+    assert result.exit_code == 75, result.output
+    assert "newest valid checkpoint is step 4" in result.output
+    latest, skipped = CheckpointManager(checkpoints_dir(tmp_path)).latest_valid()
+    assert latest.step == 4
+    monkeypatch.undo()
+    result = invoke(tmp_path, tiny_mnist)
+    assert result.exit_code == 0 and "resuming from step 4" in result.output
+    assert (final_fingerprint(tmp_path), records(tmp_path)) == reference
+
+
+def test_prune_failing_half_way_loses_nothing_valid(tiny_mnist: Path, tmp_path: Path, monkeypatch,
+                                                    reference) -> None:
+    fail_once(monkeypatch, manager_module.shutil, "rmtree", errno.EIO, on_call=1)
+    result = invoke(tmp_path, tiny_mnist, "--keep", "1", "--no-keep-best")
+    assert result.exit_code == 0, result.output
+    assert "pruning old checkpoints failed" in result.output
+    infos = CheckpointManager(checkpoints_dir(tmp_path)).inspect()
+    assert infos[-1].valid and infos[-1].step == 18
+    # The half-pruned directory lost its manifest first, so it can never be taken for a checkpoint.
+    assert all(i.valid or i.reason.startswith("no manifest") for i in infos)
+    assert final_fingerprint(tmp_path) == reference[0]
+
+
+def test_low_free_space_is_announced_before_saving(tiny_mnist: Path, tmp_path: Path, monkeypatch) -> None:
+    from resumable import session
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(session.shutil, "disk_usage",
+                        lambda path: real(path)._replace(free=1_000_000))
+    result = invoke(tmp_path, tiny_mnist, "--max-steps", "6")
+    assert result.exit_code == 0
+    assert "MB free in" in result.output and "next save may fail" in result.output
