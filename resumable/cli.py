@@ -194,6 +194,48 @@ def inspect(run_dir: str, as_json: bool, drive_credentials: str | None) -> None:
         click.echo(f"{entry['step']:>10} {epoch:>6} {created:>20} {size:>10}  {status}{marker}")
 
 
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--kills", type=click.IntRange(min=0), default=5, show_default=True, help="How many times to kill.")
+@click.option("--signal", "signal_mode", type=click.Choice(("KILL", "TERM", "INT", "mix")), default="KILL",
+              show_default=True, help="Signal to kill with; mix picks one at random each time.")
+@click.option("--seed", type=click.IntRange(min=0), default=None, help="Seed of the kill timing (printed).")
+@click.option("--every", type=Duration(), default="5s", show_default=True,
+              help="Mean time between a (re)start and its kill.")
+@click.option("--mid-save-every", type=click.IntRange(min=0), default=3, show_default=True,
+              help="Every Nth kill lands inside a checkpoint write (0: never).")
+@click.option("--reference", type=click.Path(file_okay=False, exists=True), default=None,
+              help="An uninterrupted run dir to compare with, instead of running one.")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Where the scratch run dirs go (default: a new temporary folder, kept).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--break-rng-restore", is_flag=True, hidden=True,
+              help="Skip restoring RNG states on resume (proves the harness detects divergence).")
+@click.argument("train_args", nargs=-1, type=click.UNPROCESSED)
+def chaos(kills: int, signal_mode: str, seed: int | None, every: str, mid_save_every: int, reference: str | None,
+          workdir: str | None, as_json: bool, break_rng_restore: bool, train_args: tuple[str, ...]) -> None:
+    """Kill `resumable-train TRAIN_ARGS` at random moments, restart it until it completes, and compare the
+    result with an uninterrupted run. Exit 0 if IDENTICAL, 1 if DIVERGED.
+
+    Example: resumable chaos --kills 5 -- --data-dir ../shared/data/mnist-mini --max-steps 300
+    """
+    from .chaos import Chaos, format_report, report_json
+
+    if "--run-dir" in train_args:
+        raise click.UsageError("chaos chooses the run dirs itself; leave --run-dir out of the training options")
+    seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
+    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="resumable-chaos-"))
+    echo = (lambda message: click.echo(message, err=True)) if as_json else click.echo
+    echo(f"chaos: seed {seed}, {kills} kill(s) with SIG{signal_mode}, scratch dirs in {work}")
+    runner = Chaos(list(train_args), work, kills, signal_mode, seed, parse_duration(every), mid_save_every,
+                   {"RESUMABLE_TEST_SKIP_RNG_RESTORE": "1"} if break_rng_restore else None, echo=echo)
+    try:
+        report = runner.run(Path(reference) if reference else None)
+    except RuntimeError as e:
+        _fail(str(e))
+    click.echo(report_json(report) if as_json else format_report(report))
+    sys.exit(0 if report.verdict == "IDENTICAL" else 1)
+
+
 @main.command("drive-login")
 @click.option("--client-secrets", type=click.Path(exists=True, dir_okay=False), required=True,
               help="OAuth client secrets JSON of a 'Desktop app' client from the Google Cloud console.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
@@ -132,6 +133,7 @@ class Session:
                 raise InvalidCheckpoint(f"checkpoint has no {name} state but this run uses one")
             obj.load_state_dict(payload[name])
         self.state.load_state_dict(payload[_TRAIN_STATE])
-        restore_rng(payload[_RNG])  # last: loading must not consume random numbers after it
+        if not os.environ.get("RESUMABLE_TEST_SKIP_RNG_RESTORE"):  # a deliberately broken engine, for chaos tests
+            restore_rng(payload[_RNG])  # last: loading must not consume random numbers after it
         self.last_saved_step = info.step
         self.resumed_from = info

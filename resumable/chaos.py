@@ -1,0 +1,204 @@
+"""`resumable chaos`: kill a training run on purpose, restart it until done, and prove the result equals
+an uninterrupted run (final fingerprint and metrics records)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .checkpoint import CheckpointManager, checkpoints_dir
+from .checkpoint import format as fmt
+from .metrics import read_records, without_timing
+
+TRAIN = [sys.executable, "-c", "from resumable.cli import train_command; train_command()"]
+SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}
+
+
+@dataclass
+class Kill:
+    number: int
+    signal: str
+    mid_save: bool
+    step_at_kill: int
+    resumed_from: int | None = None
+    steps_lost: int | None = None
+    restart_to_first_step_s: float | None = None
+
+
+@dataclass
+class ChaosReport:
+    verdict: str  # IDENTICAL or DIVERGED
+    difference: str | None
+    kills: list[Kill] = field(default_factory=list)
+    chaos_wall_s: float = 0.0
+    reference_wall_s: float = 0.0
+    fingerprint: str | None = None
+    reference_fingerprint: str | None = None
+    unloadable_checkpoints: int = 0
+
+    @property
+    def goodput(self) -> float:
+        return self.reference_wall_s / self.chaos_wall_s if self.chaos_wall_s else 0.0
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "goodput": self.goodput}
+
+
+def _max_step(run_dir: Path) -> int:
+    return max((r.get("step", 0) for r in read_records(run_dir / "metrics.jsonl")), default=0)
+
+
+def _saving(run_dir: Path) -> bool:
+    return any(not (p / fmt.MANIFEST).exists() and (p / fmt.PAYLOAD).exists()
+               for _, p in CheckpointManager(checkpoints_dir(run_dir)).step_dirs())
+
+
+def _latest(run_dir: Path) -> tuple[str | None, int]:
+    """Fingerprint of the newest valid checkpoint and the number of committed-but-invalid ones."""
+    infos = CheckpointManager(checkpoints_dir(run_dir)).inspect(deep=True)
+    bad = sum(1 for i in infos if i.committed and not i.valid)
+    latest = next((i for i in reversed(infos) if i.valid), None)
+    return (latest.fingerprint if latest else None), bad
+
+
+def _resumed_from(stderr: str) -> int | None:
+    marker = "resuming from step "
+    if marker not in stderr:
+        return 0 if "training on" in stderr else None
+    return int(stderr.split(marker, 1)[1].split()[0])
+
+
+class Chaos:
+    def __init__(self, train_args: list[str], workdir: Path, kills: int, signal_mode: str, seed: int,
+                 every_s: float, mid_save_every: int = 3, extra_env: dict[str, str] | None = None,
+                 echo=print) -> None:
+        self.train_args = train_args
+        self.workdir = workdir
+        self.kills = kills
+        self.signal_mode = signal_mode
+        self.rng = random.Random(seed)
+        self.every_s = every_s
+        self.mid_save_every = mid_save_every
+        self.extra_env = extra_env or {}
+        self.echo = echo
+
+    def _spawn(self, run_dir: Path, extra: dict[str, str]) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env, **extra}
+        return subprocess.Popen(TRAIN + [*self.train_args, "--run-dir", str(run_dir), "--no-progress"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                                stdin=subprocess.DEVNULL)
+
+    @staticmethod
+    def _collect(proc: subprocess.Popen, lines: list[tuple[float, str]]) -> threading.Thread:
+        """Read the child's stderr as it comes, with arrival times (to time the restart)."""
+        def read() -> None:
+            for line in proc.stderr:
+                lines.append((time.monotonic(), line))
+
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        return thread
+
+    def run_interrupted(self, run_dir: Path) -> tuple[list[Kill], float]:
+        kills: list[Kill] = []
+        wall = 0.0
+        while True:
+            number = len(kills) + 1
+            killing = number <= self.kills
+            mid_save = killing and self.mid_save_every > 0 and number % self.mid_save_every == 1
+            name = self.rng.choice(list(SIGNALS)) if self.signal_mode == "mix" else self.signal_mode
+            delay = self.rng.uniform(0.3, 1.7) * self.every_s
+            started = time.monotonic()
+            proc = self._spawn(run_dir, {"RESUMABLE_TEST_SAVE_DELAY": "1"} if mid_save else {})
+            lines: list[tuple[float, str]] = []
+            reader = self._collect(proc, lines)
+            if killing:
+                # The delay counts from the first step of this session, so kills land in training.
+                while proc.poll() is None and time.monotonic() - started < 600:
+                    ready = next((t for t, line in lines if "training on" in line), None)
+                    if mid_save and _saving(run_dir):
+                        break
+                    if not mid_save and ready is not None and time.monotonic() >= ready + delay:
+                        break
+                    time.sleep(0.005)
+                if proc.poll() is None:
+                    proc.send_signal(SIGNALS[name] if not mid_save else signal.SIGKILL)
+            proc.wait()
+            reader.join()
+            stderr = "".join(line for _, line in lines)
+            wall += time.monotonic() - started
+            if kills:
+                # "training on …" is printed after the restore, right before the first step.
+                ready = next((t for t, line in lines if "training on" in line), None)
+                kills[-1].restart_to_first_step_s = ready - started if ready is not None else None
+                kills[-1].resumed_from = _resumed_from(stderr)
+                if kills[-1].resumed_from is not None:
+                    kills[-1].steps_lost = max(kills[-1].step_at_kill - kills[-1].resumed_from, 0)
+            if proc.returncode == 0:
+                return kills, wall
+            if proc.returncode not in (75, -signal.SIGKILL, -signal.SIGTERM, -signal.SIGINT, 130, 1):
+                raise RuntimeError(f"training failed with exit code {proc.returncode}:\n{stderr[-2000:]}")
+            if not killing and proc.returncode not in (75,):
+                raise RuntimeError(f"training failed with exit code {proc.returncode}:\n{stderr[-2000:]}")
+            kills.append(Kill(number, "KILL" if mid_save else name, mid_save, _max_step(run_dir)))
+            self.echo(f"kill {number}: SIG{kills[-1].signal} at step {kills[-1].step_at_kill}"
+                      f"{' (inside a checkpoint write)' if mid_save else ''}")
+
+    def run(self, reference: Path | None) -> ChaosReport:
+        chaos_dir = self.workdir / "chaos"
+        kills, chaos_wall = self.run_interrupted(chaos_dir)
+        ref_wall = 0.0
+        if reference is None:
+            reference = self.workdir / "reference"
+            started = time.monotonic()
+            proc = self._spawn(reference, {})
+            _, stderr = proc.communicate()
+            ref_wall = time.monotonic() - started
+            if proc.returncode != 0:
+                raise RuntimeError(f"the uninterrupted reference run failed:\n{stderr[-2000:]}")
+        fp, bad = _latest(chaos_dir)
+        ref_fp, _ = _latest(reference)
+        mine = without_timing(read_records(chaos_dir / "metrics.jsonl"))
+        theirs = without_timing(read_records(reference / "metrics.jsonl"))
+        difference = None
+        if fp != ref_fp:
+            difference = f"final fingerprint {fp} != uninterrupted {ref_fp}"
+        elif mine != theirs:
+            index = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),
+                         min(len(mine), len(theirs)))
+            difference = (f"metrics record {index} differs: {mine[index] if index < len(mine) else None} != "
+                          f"{theirs[index] if index < len(theirs) else None}")
+        return ChaosReport("IDENTICAL" if difference is None else "DIVERGED", difference, kills, chaos_wall,
+                           ref_wall, fp, ref_fp, bad)
+
+
+def format_report(report: ChaosReport) -> str:
+    lines = [f"{'kill':>4} {'signal':>7} {'step at kill':>12} {'resumed from':>12} {'steps lost':>10} "
+             f"{'restart→first step':>18}"]
+    for k in report.kills:
+        restart = f"{k.restart_to_first_step_s:.2f}s" if k.restart_to_first_step_s is not None else "-"
+        lines.append(f"{k.number:>4} {'SIG' + k.signal:>7}{'*' if k.mid_save else ' '}{k.step_at_kill:>12} "
+                     f"{k.resumed_from if k.resumed_from is not None else '-':>12} "
+                     f"{k.steps_lost if k.steps_lost is not None else '-':>10} {restart:>18}")
+    lost = [k.steps_lost for k in report.kills if k.steps_lost is not None]
+    lines.append("(* = killed inside a checkpoint write)")
+    if report.reference_wall_s:
+        lines.append(f"goodput {100 * report.goodput:.1f}% (uninterrupted {report.reference_wall_s:.1f}s / "
+                     f"interrupted {report.chaos_wall_s:.1f}s wall)")
+    lines.append(f"lost work per kill: {sum(lost) / len(lost) if lost else 0:.1f} steps on average; "
+                 f"unloadable checkpoints: {report.unloadable_checkpoints}")
+    verdict = report.verdict if report.difference is None else f"{report.verdict}: {report.difference}"
+    lines.append(verdict)
+    return "\n".join(lines)
+
+
+def report_json(report: ChaosReport) -> str:
+    return json.dumps(report.to_json(), indent=2)

@@ -1,0 +1,36 @@
+"""`resumable chaos` proves interruption recovery, and can fail: a broken engine is reported DIVERGED."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from helpers import run
+
+TRAIN = ["--max-steps", "120", "--batch-size", "64", "--checkpoint-steps", "10", "--log-every", "1", "--no-download"]
+
+
+def test_chaos_five_kills_identical(mnist_dir: Path, tmp_path: Path) -> None:
+    result = run(["chaos", "--kills", "5", "--signal", "mix", "--seed", "3", "--every", "1s", "--workdir",
+                  str(tmp_path), "--json", "--", "--data-dir", str(mnist_dir), *TRAIN], name="resumable", timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["verdict"] == "IDENTICAL" and report["difference"] is None
+    assert len(report["kills"]) == 5 and report["kills"][0]["mid_save"]
+    assert report["unloadable_checkpoints"] == 0
+    assert report["fingerprint"] == report["reference_fingerprint"]
+    assert 0 < report["goodput"] <= 1.5
+
+
+def test_chaos_detects_a_broken_engine(mnist_dir: Path, tmp_path: Path) -> None:
+    result = run(["chaos", "--kills", "2", "--seed", "4", "--every", "1s", "--mid-save-every", "0",
+                  "--break-rng-restore", "--workdir", str(tmp_path), "--", "--data-dir", str(mnist_dir), *TRAIN,
+                  "--checkpoint-steps", "3"],  # a checkpoint (so a broken restore) before any kill can land
+                 name="resumable", timeout=600)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "DIVERGED" in result.stdout and "fingerprint" in result.stdout
+
+
+def test_chaos_refuses_a_run_dir_option(tmp_path: Path) -> None:
+    result = run(["chaos", "--", "--run-dir", str(tmp_path)], name="resumable")
+    assert result.returncode == 2 and "leave --run-dir out" in result.stderr
