@@ -41,6 +41,35 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def stale_reason(owner: dict[str, Any], host: str, stale_after_s: float) -> str | None:
+    """Why ``owner`` (a lock record) no longer holds its lock, or None if it does."""
+    if owner.get("released"):
+        return "it was released"
+    if not owner.get("pid") or not owner.get("host"):
+        return "the lock file is unreadable"
+    if owner["host"] == host:
+        pid = int(owner["pid"])
+        if not _pid_alive(pid):
+            return f"process {pid} on this host is gone"
+        if owner.get("pid_start") and _proc_start(pid) not in (None, owner["pid_start"]):
+            return f"process {pid} on this host is gone (its pid now belongs to another process)"
+        return None
+    age = time.time() - float(owner.get("heartbeat", 0))
+    if age > stale_after_s:
+        return f"its heartbeat is {age:.0f}s old"
+    return None
+
+
+def lock_record(token: str, host: str) -> dict[str, Any]:
+    return {"pid": os.getpid(), "pid_start": _proc_start(os.getpid()), "host": host, "token": token,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "heartbeat": time.time()}
+
+
+def in_use_message(where: str, owner: dict[str, Any]) -> str:
+    return (f"{where} is being trained by process {owner.get('pid')} on host {owner.get('host')} (started "
+            f"{owner.get('started')}); wait for it to finish or stop it, or use another --run-dir")
+
+
 class RunLock:
     def __init__(self, run_dir: Path, heartbeat_s: float = 30.0, stale_after_s: float = 180.0) -> None:
         self.path = Path(run_dir) / LOCK_FILE
@@ -52,8 +81,7 @@ class RunLock:
         self._thread: threading.Thread | None = None
 
     def _record(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "pid_start": _proc_start(os.getpid()), "host": self.host, "token": self.token,
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "heartbeat": time.time()}
+        return lock_record(self.token, self.host)
 
     def _read(self) -> dict[str, Any] | None:
         try:
@@ -65,20 +93,7 @@ class RunLock:
         return data if isinstance(data, dict) else {}
 
     def stale_reason(self, owner: dict[str, Any]) -> str | None:
-        """Why ``owner`` no longer holds the lock, or None if it does."""
-        if not owner.get("pid") or not owner.get("host"):
-            return "the lock file is unreadable"
-        if owner["host"] == self.host:
-            pid = int(owner["pid"])
-            if not _pid_alive(pid):
-                return f"process {pid} on this host is gone"
-            if owner.get("pid_start") and _proc_start(pid) not in (None, owner["pid_start"]):
-                return f"process {pid} on this host is gone (its pid now belongs to another process)"
-            return None
-        age = time.time() - float(owner.get("heartbeat", 0))
-        if owner["host"] != self.host and age > self.stale_after_s:
-            return f"its heartbeat is {age:.0f}s old"
-        return None
+        return stale_reason(owner, self.host, self.stale_after_s)
 
     def acquire(self) -> str | None:
         """Take the lock; returns a message if a stale lock was taken over. Raises RunDirInUse."""
@@ -92,10 +107,7 @@ class RunLock:
                     continue  # released meanwhile
                 reason = self.stale_reason(owner)
                 if reason is None:
-                    raise RunDirInUse(
-                        f"{self.path.parent} is being trained by process {owner.get('pid')} on host "
-                        f"{owner.get('host')} (started {owner.get('started')}); wait for it to finish or stop "
-                        f"it, or use another --run-dir") from None
+                    raise RunDirInUse(in_use_message(str(self.path.parent), owner)) from None
                 tmp = self.path.with_name(f".{LOCK_FILE}.{self.token}")
                 tmp.write_text(json.dumps(self._record()), encoding="utf-8")
                 os.replace(tmp, self.path)

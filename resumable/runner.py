@@ -23,6 +23,7 @@ from .preemption import EXIT_RESUME, Budget, StopFlag, colab_default_limit_s, pr
 from .session import Session
 from .state import TrainState
 from .storage import RunLocation, StorageError, open_run_location
+from .storage.lease import DriveLease
 from .storage.tiered import Mirror, restore_newest
 from .tasks.mnist_task import MnistTask
 from .triggers import SaveTriggers
@@ -145,11 +146,21 @@ def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False)
     if startup.checkpoint is not None:
         _resume(session, startup, computation, cfg)
     lock = RunLock(run_dir)
+    lease = DriveLease(location.remote) if location.remote is not None else None
     taken_over = lock.acquire()  # before anything in the run dir changes; raises RunDirInUse
-    if taken_over:
-        say(taken_over)
     try:
-        return _run_locked(session, task, cfg, mode, overwrite, location, mirror, metrics)
+        if lease is not None:
+            try:
+                taken_over = lease.acquire() or taken_over
+            except StorageError as e:
+                raise ResumableError(f"cannot take the lease on {location.remote.description}: {e}") from e
+        if taken_over:
+            say(taken_over)
+        try:
+            return _run_locked(session, task, cfg, mode, overwrite, location, mirror, metrics)
+        finally:
+            if lease is not None:
+                lease.release()
     finally:
         lock.release()
 
