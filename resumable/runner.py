@@ -277,8 +277,9 @@ def _resume(session: Session, startup: Startup, computation: dict[str, Any], cfg
             say(f"warning: skipping checkpoint step {info.step} ({info.path}): {e}")
             continue
         except (RuntimeError, ValueError, KeyError) as e:
-            raise ResumableError(f"the checkpoint {info.path} does not fit this model/optimizer ({e}); use the "
-                                 f"matching options, or start over with --fresh --overwrite") from e
+            detail = " ".join(str(e).split())  # torch's message spans lines; the error stays one line
+            raise ResumableError(f"the checkpoint {info.path} does not fit this model/optimizer ({detail}); use "
+                                 f"the matching options, or start over with --fresh --overwrite") from e
         say(f"resuming from step {info.step} (epoch {session.state.epoch}, batch {session.state.batch_in_epoch}), "
             f"saved {describe_age(info.created)}")
         return

@@ -43,8 +43,8 @@ def open_run_location(run_dir: str, cache_dir: str | None = None, credentials: s
 
         from .auth import make_gauth
 
-        remote = GDriveStore(GoogleDrive(make_gauth(credentials, timeout)), DriveLocation.parse(run_dir),
-                             policy, url=run_dir)
+        location = DriveLocation.parse(run_dir)  # a malformed URL is reported before any authentication
+        remote = GDriveStore(GoogleDrive(make_gauth(credentials, timeout)), location, policy, url=run_dir)
     elif is_mounted_drive(run_dir):
         remote = MountedDirStore(Path(run_dir), policy)
     if remote is None:
