@@ -117,6 +117,10 @@ class Loop:
                 if reason is not None:
                     outcome = Outcome(False, reason)
                     break
+        if outcome.finished:
+            self._check_saves()
+        if self._save_error is not None:
+            outcome = Outcome(False, "save error")  # the newest state is not committed: never "done"
         if self.session.last_saved_step != self.state.step and self._save_error is None:
             self._save(outcome.reason if not outcome.finished else "final")
         self.metrics.sync()
@@ -156,11 +160,11 @@ class Loop:
         bar_clock, bar_samples = time.monotonic(), 0
         try:
             for index in range(state.batch_in_epoch, batches):
+                self._check_saves()  # a failed background save surfaces here, before another step
                 reason = self._stop_reason()
                 if reason is not None:
                     state.epoch_loss_sum = loss_sum.item()
                     return reason
-                self._check_saves()  # a failed background save surfaces here
                 started = time.monotonic()
                 indices = sampler.batch(order, index)
                 loss = self.train_step(indices)

@@ -137,3 +137,4 @@ class Session:
             restore_rng(payload[_RNG])  # last: loading must not consume random numbers after it
         self.last_saved_step = info.step
         self.resumed_from = info
+        self._last_size = info.size  # the free-space check has an estimate from the first save on

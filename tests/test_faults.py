@@ -74,7 +74,7 @@ def test_on_save_error_stop_exits_75_and_resumes_identically(tiny_mnist: Path, t
     assert latest.step == 4
     monkeypatch.undo()
     result = invoke(tmp_path, tiny_mnist)
-    assert result.exit_code == 0 and "resuming from step 4" in result.output
+    assert result.exit_code == 0 and "resuming from step 4" in result.output, result.output
     assert (final_fingerprint(tmp_path), records(tmp_path)) == reference
 
 
@@ -100,3 +100,43 @@ def test_low_free_space_is_announced_before_saving(tiny_mnist: Path, tmp_path: P
     result = invoke(tmp_path, tiny_mnist, "--max-steps", "6")
     assert result.exit_code == 0
     assert "MB free in" in result.output and "next save may fail" in result.output
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A real 48 MB filesystem (tmpfs), so ENOSPC comes from the kernel, not from a mock."""
+    import subprocess
+
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mount_point)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_real_disk_full_keeps_the_previous_checkpoint(tiny_mnist: Path, tmp_path: Path, small_disk: Path) -> None:
+    reference = tmp_path / "reference"
+    assert invoke(reference, tiny_mnist, "--max-steps", "8").exit_code == 0
+    run_dir = small_disk / "run"
+    keep = ["--keep", "1", "--no-keep-best"]  # a save needs room for one more checkpoint until it prunes
+    assert invoke(run_dir, tiny_mnist, "--max-steps", "4", *keep).exit_code == 0
+    free = shutil.disk_usage(small_disk).free
+    filler = small_disk / "filler"
+    filler.write_bytes(b"\0" * (free - 6_000_000))  # leave less than one checkpoint (about 14 MB)
+    result = invoke(run_dir, tiny_mnist, "--max-steps", "8", "--on-save-error", "stop", *keep)
+    assert result.exit_code == 75, result.output
+    assert "No space left on device" in result.output and "next save may fail" in result.output
+    infos = CheckpointManager(checkpoints_dir(run_dir)).inspect()
+    assert [i.step for i in infos if i.valid][-1] == 4
+    assert all(i.valid for i in infos if i.committed), "no partial checkpoint may count"
+    filler.unlink()
+    result = invoke(run_dir, tiny_mnist, "--max-steps", "8", *keep)
+    assert result.exit_code == 0 and "resuming from step 4" in result.output, result.output
+    assert final_fingerprint(run_dir) == final_fingerprint(reference)
+    assert records(run_dir) == records(reference)
+    assert not list(run_dir.rglob("*.tmp-*")), "the partial save's temp file is cleaned up"

@@ -14,11 +14,13 @@ complete one.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import os
 import pickle
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -88,7 +90,15 @@ def write_payload(directory: Path, obj: Any, name: str = PAYLOAD) -> dict[str, A
     tmp = _tmp_path(final)
     with open(tmp, "wb") as handle:
         writer = _HashingWriter(handle)
-        torch.save(obj, writer)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError as e:
+            # torch's zip writer reports a failed write (disk full, I/O error) as an opaque RuntimeError;
+            # name the likely cause so the user knows what to fix.
+            free = shutil.disk_usage(directory).free
+            code = errno.ENOSPC if free < (1 << 20) + writer.size // 10 else errno.EIO
+            raise OSError(code, f"{os.strerror(code)} while writing {final} ({free / 1e6:.0f} MB free): "
+                                f"{' '.join(str(e).split())}") from e
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, final)
