@@ -230,6 +230,11 @@ class Loop:
             self.session.save(reason, metrics)
         except SaveFailed as e:  # an earlier background save, or this one when saving synchronously
             self._save_failed(e)
+            if self._save_error is None and self.session.last_saved_step != self.state.step:
+                try:  # warn policy: the failure was reported and cleared; this save is still due
+                    self.session.save(reason, metrics)
+                except SaveFailed as again:
+                    self._save_failed(again)
         stats = self.session.writer.stats
         interval = self.triggers.saved(stats.last_blocked_s)
         if interval is not None and self.on_interval is not None:

@@ -23,9 +23,9 @@ def test_chaos_five_kills_identical(mnist_dir: Path, tmp_path: Path) -> None:
 
 
 def test_chaos_detects_a_broken_engine(mnist_dir: Path, tmp_path: Path) -> None:
-    # Kills land >= 0.9 s into each session, well after the first checkpoint (every 3 steps) is committed,
+    # Kills land >= 0.6 s into each session, well after the first checkpoint (every 3 steps) is committed,
     # so every restart goes through the broken restore; even one such restart must be caught.
-    result = run(["chaos", "--kills", "3", "--seed", "4", "--every", "3s", "--mid-save-every", "0",
+    result = run(["chaos", "--kills", "2", "--seed", "4", "--every", "2s", "--mid-save-every", "0",
                   "--break-rng-restore", "--workdir", str(tmp_path), "--", "--data-dir", str(mnist_dir), *TRAIN,
                   "--checkpoint-steps", "3"],  # a checkpoint (so a broken restore) before any kill can land
                  name="resumable", timeout=600)

@@ -96,7 +96,7 @@ def write_payload(directory: Path, obj: Any, name: str = PAYLOAD) -> dict[str, A
             # torch's zip writer reports a failed write (disk full, I/O error) as an opaque RuntimeError;
             # name the likely cause so the user knows what to fix.
             free = shutil.disk_usage(directory).free
-            code = errno.ENOSPC if free < (1 << 20) + writer.size // 10 else errno.EIO
+            code = errno.ENOSPC if free < max(64 << 20, writer.size) else errno.EIO  # a short write: usually full
             raise OSError(code, f"{os.strerror(code)} while writing {final} ({free / 1e6:.0f} MB free): "
                                 f"{' '.join(str(e).split())}") from e
         handle.flush()
