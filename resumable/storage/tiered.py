@@ -54,16 +54,6 @@ def remote_manifest(remote: RemoteStore, folder: str, scratch: Path) -> dict | N
     return manifest
 
 
-def durable_steps(remote: RemoteStore, scratch: Path) -> list[int]:
-    """Steps whose checkpoint is complete on the remote, oldest first."""
-    steps = []
-    for folder in remote.list_checkpoints():
-        step = fmt.parse_step_dir(folder)
-        if step is not None and remote_manifest(remote, folder, scratch) is not None:
-            steps.append(step)
-    return sorted(steps)
-
-
 def describe_remote(remote: RemoteStore, scratch: Path) -> list[dict]:
     """One entry per remote checkpoint folder, oldest first, saying whether it is durable."""
     entries = []
@@ -79,6 +69,11 @@ def describe_remote(remote: RemoteStore, scratch: Path) -> list[dict]:
                         "created": (manifest or {}).get("created_unix"),
                         "test_acc": ((manifest or {}).get("metrics") or {}).get("test_acc")})
     return sorted(entries, key=lambda e: e["step"])
+
+
+def durable_steps(remote: RemoteStore, scratch: Path) -> list[int]:
+    """Steps whose checkpoint is complete on the remote, oldest first."""
+    return [entry["step"] for entry in describe_remote(remote, scratch) if entry["durable"]]
 
 
 def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
