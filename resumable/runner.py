@@ -125,6 +125,7 @@ def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False)
     run_dir = location.local_dir
     if location.remote is not None:
         say(f"run dir {explicit['run_dir']} is mirrored from a local cache in {run_dir}")
+    if location.remote is not None and not (mode == "fresh" and overwrite):  # overwrite deletes them anyway
         try:
             restore_newest(location.remote, CheckpointManager(checkpoints_dir(run_dir)), run_dir, say)
         except StorageError as e:
@@ -174,6 +175,8 @@ def _run_locked(session: Session, task: MnistTask, cfg: TrainConfig, mode: str, 
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         for folder in location.remote.list_checkpoints() if location.remote is not None else ():
             location.remote.delete_folder(folder)
+        if mirror is not None:
+            mirror.durable.clear()  # those were just deleted: the new run's steps must all be uploaded
     run_dir.mkdir(parents=True, exist_ok=True)
     manager.cleanup_incomplete()
     metrics.rollback(state.step)

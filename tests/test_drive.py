@@ -272,3 +272,17 @@ def test_drive_lease_one_machine_at_a_time(fake: FakeDrive) -> None:
     message = third.acquire()
     assert message and "another-vm" in message and "heartbeat" in message
     third.release()
+
+
+def test_fresh_overwrite_on_drive_replaces_the_old_run(fake: FakeDrive, tiny_mnist: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in drive_env(fake).items():
+        monkeypatch.setenv(key, value)
+    args = _train_args("gdrive://root/runs/fresh", tiny_mnist, "--max-steps", "6", "--cache-dir", str(tmp_path))
+    assert CliRunner().invoke(train_command, args).exit_code == 0
+    old = store(fake, path="runs/fresh").list_files("step-000000006")["state.pt"]
+    result = CliRunner().invoke(train_command, [*args, "--fresh", "--overwrite", "--seed", "5"])
+    assert result.exit_code == 0, result.output
+    s = store(fake, path="runs/fresh")
+    assert durable_steps(s, tmp_path) == [6]
+    assert s.list_files("step-000000006")["state.pt"].md5 != old.md5, "the new run's step 6 was uploaded"
