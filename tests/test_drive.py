@@ -127,6 +127,21 @@ def test_a_partially_uploaded_checkpoint_never_counts(fake: FakeDrive, tmp_path:
     assert fresh.latest_valid()[0].step == 1
 
 
+def test_a_checkpoint_pruned_while_listing_is_skipped(fake: FakeDrive, tmp_path: Path) -> None:
+    """`inspect` beside a live run: the trainer prunes a folder between our listing and our reads."""
+    writer, reader = store(fake), store(fake)
+    mirror = Mirror(_local_checkpoints(tmp_path / "run", [1, 2]), writer, tmp_path / "run", print)
+    mirror.submit(1)
+    mirror.submit(2)
+    assert mirror.flush(10) == []
+    mirror.close()
+    assert durable_steps(reader, tmp_path) == [1, 2]  # the reader now caches both folder ids
+    listed = reader.list_checkpoints()
+    writer.delete_folder("step-000000001")
+    reader.list_checkpoints = lambda: listed  # type: ignore[method-assign]  # the listing predates the prune
+    assert durable_steps(reader, tmp_path) == [2]
+
+
 def _train_args(run_dir: str, data: Path, *extra: str) -> list[str]:
     return ["--run-dir", run_dir, "--data-dir", str(data), "--batch-size", "16", "--no-progress",
             "--no-download", *extra]

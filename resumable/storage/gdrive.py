@@ -162,8 +162,13 @@ class GDriveStore:
         parent = self._folder_id(self._parts(folder), create=False)
         if parent is None:
             return {}
+        try:
+            children = self._children(parent, folders=False)
+        except MissingFile:  # deleted since its id was cached (e.g. pruned by the training process)
+            self._folders.pop(self._parts(folder), None)
+            raise
         files: dict[str, RemoteFile] = {}
-        for item in sorted(self._children(parent, folders=False), key=lambda f: f.get("modifiedDate", "")):
+        for item in sorted(children, key=lambda f: f.get("modifiedDate", "")):
             files[item["title"]] = RemoteFile(int(item.get("fileSize", 0)), item.get("md5Checksum"))
         return files
 

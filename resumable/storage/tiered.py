@@ -34,7 +34,10 @@ def md5_file(path: Path) -> str:
 
 def remote_manifest(remote: RemoteStore, folder: str, scratch: Path) -> dict | None:
     """The remote manifest of ``folder`` if it is complete (listed files present with their sizes)."""
-    files = remote.list_files(folder)
+    try:
+        files = remote.list_files(folder)
+    except MissingFile:  # the folder was pruned after the checkpoint listing (inspect beside a live run)
+        return None
     if fmt.MANIFEST not in files:
         return None
     target = scratch / f".{folder}.manifest"
