@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .checkpoint import CheckpointManager, checkpoints_dir
 from .checkpoint import format as fmt
+from .forkserver import ForkServer
 from .metrics import read_records, without_timing
 
 TRAIN = [sys.executable, "-c", "from resumable.cli import train_command; train_command()"]
@@ -79,7 +80,7 @@ def _resumed_from(stderr: str) -> int | None:
 class Chaos:
     def __init__(self, train_args: list[str], workdir: Path, kills: int, signal_mode: str, seed: int,
                  every_s: float, mid_save_every: int = 3, extra_env: dict[str, str] | None = None,
-                 echo=print) -> None:
+                 echo=print, warm: bool = False, parallel_reference: bool = False) -> None:
         self.train_args = train_args
         self.workdir = workdir
         self.kills = kills
@@ -89,15 +90,25 @@ class Chaos:
         self.mid_save_every = mid_save_every
         self.extra_env = extra_env or {}
         self.echo = echo
+        self.warm = warm
+        self.parallel_reference = parallel_reference
+        self._servers: list[ForkServer] = []
+        self._own_reference = True
 
-    def _spawn(self, run_dir: Path, extra: dict[str, str]) -> subprocess.Popen:
+    def _spawn(self, run_dir: Path, extra: dict[str, str], server: int = 0):
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env, **extra}
-        return subprocess.Popen(TRAIN + [*self.train_args, "--run-dir", str(run_dir), "--no-progress"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-                                stdin=subprocess.DEVNULL)
+        # One record per step, so "step at kill" is exact (both runs get it, so records still compare); not
+        # with a user's --reference, whose records were written with the options as given.
+        chosen = self._own_reference and not any(a.startswith("--log-every") for a in self.train_args)
+        logging = ["--log-every", "1"] if chosen else []
+        args = [*self.train_args, *logging, "--run-dir", str(run_dir), "--no-progress"]
+        if self._servers:
+            return self._servers[server].spawn(args, env)
+        return subprocess.Popen(TRAIN + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                env=env, stdin=subprocess.DEVNULL)
 
     @staticmethod
-    def _collect(proc: subprocess.Popen, lines: list[tuple[float, str]]) -> threading.Thread:
+    def _collect(proc, lines: list[tuple[float, str]]) -> threading.Thread:
         """Read the child's stderr as it comes, with arrival times (to time the restart)."""
         def read() -> None:
             for line in proc.stderr:
@@ -117,21 +128,24 @@ class Chaos:
             name = self.rng.choice(list(SIGNALS)) if self.signal_mode == "mix" else self.signal_mode
             delay = self.rng.uniform(0.3, 1.7) * self.every_s
             started = time.monotonic()
-            proc = self._spawn(run_dir, {"RESUMABLE_TEST_SAVE_DELAY": "1"} if mid_save else {})
+            # A mid-save session writes each checkpoint slowly, so that its kill lands between payload and
+            # manifest; the window is short enough that async saves barely slow its training.
+            proc = self._spawn(run_dir, {"RESUMABLE_TEST_SAVE_DELAY": "0.3"} if mid_save else {})
             lines: list[tuple[float, str]] = []
             reader = self._collect(proc, lines)
             if killing:
-                # The delay counts from the first step of this session, so kills land in training.
+                # The delay counts from the first step of this session, so kills land in training; a
+                # mid-save kill waits for the first checkpoint write that starts after the delay.
                 while proc.poll() is None and time.monotonic() - started < 600:
                     ready = next((t for t, line in lines if "training on" in line), None)
-                    if mid_save and _saving(run_dir):
-                        break
-                    if not mid_save and ready is not None and time.monotonic() >= ready + delay:
+                    due = ready is not None and time.monotonic() >= ready + delay
+                    if due and (not mid_save or _saving(run_dir)):
                         break
                     time.sleep(0.005)
                 if proc.poll() is None:
                     proc.send_signal(SIGNALS[name] if not mid_save else signal.SIGKILL)
             proc.wait()
+            inside_save = mid_save and _saving(run_dir)  # confirm the kill did land inside a write
             reader.join()
             stderr = "".join(line for _, line in lines)
             wall += time.monotonic() - started
@@ -148,21 +162,48 @@ class Chaos:
                 raise RuntimeError(f"training failed with exit code {proc.returncode}:\n{stderr[-2000:]}")
             if not killing and proc.returncode not in (75,):
                 raise RuntimeError(f"training failed with exit code {proc.returncode}:\n{stderr[-2000:]}")
-            kills.append(Kill(number, "KILL" if mid_save else name, mid_save, _max_step(run_dir)))
+            kills.append(Kill(number, "KILL" if mid_save else name, inside_save, _max_step(run_dir)))
             self.echo(f"kill {number}: SIG{kills[-1].signal} at step {kills[-1].step_at_kill}"
-                      f"{' (inside a checkpoint write)' if mid_save else ''}")
+                      f"{' (inside a checkpoint write)' if inside_save else ''}")
+
+    def _start_reference(self, run_dir: Path) -> threading.Thread:
+        """Run the uninterrupted reference in a thread; its result lands in ``self._reference``."""
+        def reference() -> None:
+            started = time.monotonic()
+            proc = self._spawn(run_dir, {}, server=len(self._servers) - 1)
+            _, stderr = proc.communicate()
+            self._reference = (proc.returncode, stderr, time.monotonic() - started)
+
+        thread = threading.Thread(target=reference, daemon=True)
+        thread.start()
+        return thread
 
     def run(self, reference: Path | None) -> ChaosReport:
+        self._own_reference = reference is None
+        try:
+            if self.warm:  # the parallel reference gets a server of its own: one child per server
+                self._servers = [ForkServer() for _ in range(2 if self.parallel_reference else 1)]
+            return self._run(reference)
+        finally:
+            for server in self._servers:
+                server.close()
+            self._servers = []
+
+    def _run(self, reference: Path | None) -> ChaosReport:
         chaos_dir = self.workdir / "chaos"
+        ref_thread = None
+        if reference is None and self.parallel_reference:
+            reference = self.workdir / "reference"
+            ref_thread = self._start_reference(reference)
         kills, chaos_wall = self.run_interrupted(chaos_dir)
         ref_wall = 0.0
         if reference is None:
             reference = self.workdir / "reference"
-            started = time.monotonic()
-            proc = self._spawn(reference, {})
-            _, stderr = proc.communicate()
-            ref_wall = time.monotonic() - started
-            if proc.returncode != 0:
+            ref_thread = self._start_reference(reference)
+        if ref_thread is not None:
+            ref_thread.join()
+            code, stderr, ref_wall = self._reference
+            if code != 0:
                 raise RuntimeError(f"the uninterrupted reference run failed:\n{stderr[-2000:]}")
         fp, bad = _latest(chaos_dir)
         ref_fp, _ = _latest(reference)

@@ -200,19 +200,26 @@ def inspect(run_dir: str, as_json: bool, drive_credentials: str | None) -> None:
               show_default=True, help="Signal to kill with; mix picks one at random each time.")
 @click.option("--seed", type=click.IntRange(min=0), default=None, help="Seed of the kill timing (printed).")
 @click.option("--every", type=Duration(), default="5s", show_default=True,
-              help="Mean time between a (re)start and its kill.")
+              help="Mean training time of a session before its kill, counted from its first step.")
 @click.option("--mid-save-every", type=click.IntRange(min=0), default=3, show_default=True,
               help="Every Nth kill lands inside a checkpoint write (0: never).")
 @click.option("--reference", type=click.Path(file_okay=False, exists=True), default=None,
               help="An uninterrupted run dir to compare with, instead of running one.")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Where the scratch run dirs go (default: a new temporary folder, kept).")
+@click.option("--warm", is_flag=True,
+              help="Restart through a fork server that imported torch once, so a restart costs what the "
+                   "engine spends (restore, data load) and not the ~2 s of interpreter start a fresh VM pays.")
+@click.option("--parallel-reference", is_flag=True,
+              help="Run the uninterrupted reference at the same time (halves a long soak; give each run "
+                   "its own cores, e.g. OMP_NUM_THREADS=1 on two).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--break-rng-restore", is_flag=True, hidden=True,
               help="Skip restoring RNG states on resume (proves the harness detects divergence).")
 @click.argument("train_args", nargs=-1, type=click.UNPROCESSED)
 def chaos(kills: int, signal_mode: str, seed: int | None, every: str, mid_save_every: int, reference: str | None,
-          workdir: str | None, as_json: bool, break_rng_restore: bool, train_args: tuple[str, ...]) -> None:
+          workdir: str | None, warm: bool, parallel_reference: bool, as_json: bool, break_rng_restore: bool,
+          train_args: tuple[str, ...]) -> None:
     """Kill `resumable-train TRAIN_ARGS` at random moments, restart it until it completes, and compare the
     result with an uninterrupted run. Exit 0 if IDENTICAL, 1 if DIVERGED.
 
@@ -225,9 +232,11 @@ def chaos(kills: int, signal_mode: str, seed: int | None, every: str, mid_save_e
     seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="resumable-chaos-"))
     echo = (lambda message: click.echo(message, err=True)) if as_json else click.echo
-    echo(f"chaos: seed {seed}, {kills} kill(s) with SIG{signal_mode}, scratch dirs in {work}")
+    echo(f"chaos: seed {seed}, {kills} kill(s) with SIG{signal_mode}, {'warm' if warm else 'cold'} restarts, "
+         f"scratch dirs in {work}")
     runner = Chaos(list(train_args), work, kills, signal_mode, seed, parse_duration(every), mid_save_every,
-                   {"RESUMABLE_TEST_SKIP_RNG_RESTORE": "1"} if break_rng_restore else None, echo=echo)
+                   {"RESUMABLE_TEST_SKIP_RNG_RESTORE": "1"} if break_rng_restore else None, echo=echo,
+                   warm=warm, parallel_reference=parallel_reference)
     try:
         report = runner.run(Path(reference) if reference else None)
     except RuntimeError as e:

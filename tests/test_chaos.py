@@ -11,12 +11,15 @@ TRAIN = ["--max-steps", "120", "--batch-size", "64", "--checkpoint-steps", "10",
 
 
 def test_chaos_five_kills_identical(mnist_dir: Path, tmp_path: Path) -> None:
-    result = run(["chaos", "--kills", "5", "--signal", "mix", "--seed", "3", "--every", "1s", "--workdir",
-                  str(tmp_path), "--json", "--", "--data-dir", str(mnist_dir), *TRAIN], name="resumable", timeout=600)
+    # Warm restarts (fork server) keep this test short; the broken-engine test below restarts cold.
+    result = run(["chaos", "--kills", "5", "--signal", "mix", "--seed", "3", "--every", "1s", "--warm",
+                  "--workdir", str(tmp_path), "--json", "--", "--data-dir", str(mnist_dir), *TRAIN],
+                 name="resumable", timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
     assert report["verdict"] == "IDENTICAL" and report["difference"] is None
-    assert len(report["kills"]) == 5 and report["kills"][0]["mid_save"]
+    assert len(report["kills"]) == 5 and report["kills"][0]["mid_save"]  # confirmed: a write was in progress
+    assert all(k["restart_to_first_step_s"] is not None for k in report["kills"])
     assert report["unloadable_checkpoints"] == 0
     assert report["fingerprint"] == report["reference_fingerprint"]
     assert 0 < report["goodput"] <= 1.5
@@ -31,6 +34,28 @@ def test_chaos_detects_a_broken_engine(mnist_dir: Path, tmp_path: Path) -> None:
                  name="resumable", timeout=600)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "DIVERGED" in result.stdout and "fingerprint" in result.stdout
+
+
+def test_fork_server_children_are_real_processes(mnist_dir: Path, tmp_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    from resumable.forkserver import ForkServer
+
+    server = ForkServer()
+    try:
+        bad = server.spawn(["--epochs", "-1"], dict(os.environ))
+        assert bad.wait() == 2 and "--epochs" in bad.stderr.read()
+        child = server.spawn(["--data-dir", str(mnist_dir), "--run-dir", str(tmp_path / "run"), "--no-progress",
+                              "--epochs", "50"], dict(os.environ))
+        assert child.pid != os.getpid() and child.poll() is None
+        time.sleep(0.5)
+        child.send_signal(signal.SIGKILL)
+        assert child.wait() == -signal.SIGKILL
+        child.stderr.close()
+    finally:
+        server.close()
 
 
 def test_chaos_refuses_a_run_dir_option(tmp_path: Path) -> None:

@@ -47,6 +47,44 @@ def test_failed_download_is_data_unavailable(tmp_path: Path, monkeypatch: pytest
     assert "download failed" in str(err.value)
 
 
+def test_gzipped_files_load_the_same(tiny_mnist: Path, tmp_path: Path) -> None:
+    import gzip
+
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for name in mnist.RAW_FILES:
+        (raw / f"{name}.gz").write_bytes(gzip.compress((tiny_mnist / "MNIST" / "raw" / name).read_bytes()))
+    a = mnist.load_mnist(tiny_mnist, torch.device("cpu"), download=False)
+    b = mnist.load_mnist(tmp_path, torch.device("cpu"), download=False)
+    assert a.identity == b.identity and torch.equal(a.train.images, b.train.images)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header"])
+def test_damaged_file_is_data_unavailable_naming_it(tiny_mnist: Path, tmp_path: Path, damage: str) -> None:
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_mnist, copy)
+    victim = copy / "MNIST" / "raw" / "train-labels-idx1-ubyte"
+    data = victim.read_bytes()
+    victim.write_bytes(data[:-5] if damage == "truncate" else b"GARBAGE!" + data[8:])
+    with pytest.raises(mnist.DataUnavailable) as err:
+        mnist.load_mnist(copy, torch.device("cpu"), download=False)
+    assert str(victim) in str(err.value)
+
+
+def test_training_start_does_not_import_torchvision(tiny_mnist: Path) -> None:
+    """torchvision costs ~2 s of import, paid at every restart; reading the IDX files needs none of it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from resumable.cli import train_command; from resumable.tasks import mnist; "
+            f"mnist.load_mnist({str(tiny_mnist)!r}, torch.device('cpu'), download=False); "
+            "print('torchvision' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+
+
 def test_model_shape_and_log_probs() -> None:
     model = mnist.Net()
     out = model(torch.zeros(3, 1, 28, 28))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,10 +109,33 @@ def _missing(data_dir: Path) -> list[str]:
     return [name for name in RAW_FILES if not (raw / name).is_file() and not (raw / f"{name}.gz").is_file()]
 
 
-def _load_split(data_dir: Path, train: bool, download: bool):
-    from torchvision import datasets  # imported lazily: it is slow and only needed here
+def _raw_file(data_dir: Path, name: str) -> Path:
+    raw = expected_location(data_dir) / name
+    return raw if raw.is_file() else raw.with_name(f"{name}.gz")
 
-    return datasets.MNIST(root=str(data_dir), train=train, download=download)
+
+def read_idx(path: Path) -> torch.Tensor:
+    """An IDX file of unsigned bytes (plain or .gz) as a uint8 tensor, parsed the way torchvision does.
+
+    Read directly instead of through ``torchvision.datasets.MNIST``: importing torchvision costs about two
+    seconds, paid again at every restart after a disconnect."""
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as handle:
+        data = handle.read()
+    if len(data) < 4 or data[:2] != b"\0\0" or data[2] != 0x08:
+        raise ValueError(f"{path} is not an IDX file of unsigned bytes (bad header)")
+    ndim = data[3]
+    header = 4 + 4 * ndim
+    dims = struct.unpack(f">{ndim}I", data[4:header]) if len(data) >= header else ()
+    if len(dims) != ndim or len(data) - header != math.prod(dims):
+        raise ValueError(f"{path} is truncated or damaged: the header promises shape {dims}")
+    return torch.frombuffer(bytearray(data[header:]), dtype=torch.uint8).reshape(dims)
+
+
+def _download(data_dir: Path) -> None:
+    from torchvision import datasets  # imported lazily: it is slow and only needed to download
+
+    for train in (True, False):
+        datasets.MNIST(root=str(data_dir), train=train, download=True)
 
 
 def load_mnist(data_dir: str | Path, device: torch.device, download: bool = True) -> MnistData:
@@ -121,20 +147,29 @@ def load_mnist(data_dir: str | Path, device: torch.device, download: bool = True
     missing = _missing(data_dir)
     if missing and not download:
         raise DataUnavailable(_where_message(data_dir, missing, "downloading is off (--no-download)"))
+    if missing:
+        try:
+            _download(data_dir)
+        except (RuntimeError, OSError, ValueError) as e:
+            raise DataUnavailable(_where_message(data_dir, _missing(data_dir) or missing,
+                                                 f"the download failed: {e}")) from e
     try:
-        splits = [_load_split(data_dir, train, download=bool(missing)) for train in (True, False)]
-    except (RuntimeError, OSError, ValueError) as e:
-        raise DataUnavailable(_where_message(data_dir, _missing(data_dir) or missing,
-                                             f"the download failed: {e}")) from e
+        arrays = [read_idx(_raw_file(data_dir, name)) for name in RAW_FILES]
+    except (OSError, ValueError, EOFError) as e:  # EOFError: a truncated .gz
+        raise DataUnavailable(f"cannot read MNIST in {expected_location(data_dir)}: {e}. Replace the damaged "
+                              f"file with a good copy (or delete it to download it again).") from e
     digest = hashlib.sha256()
     tensors = []
-    for split in splits:
-        raw = split.data.contiguous()
+    for raw, targets in ((arrays[0], arrays[1]), (arrays[2], arrays[3])):
+        targets = targets.to(torch.int64)
+        if raw.dim() != 3 or targets.shape != raw.shape[:1]:
+            raise DataUnavailable(f"MNIST in {expected_location(data_dir)} is inconsistent: images "
+                                  f"{tuple(raw.shape)} and labels {tuple(targets.shape)} do not pair up")
         digest.update(raw.numpy().tobytes())
-        digest.update(split.targets.numpy().tobytes())
+        digest.update(targets.numpy().tobytes())
         images = ((raw.to(torch.float32) / 255.0) - MEAN) / STD
         images = images.unsqueeze(1).to(device).contiguous(memory_format=torch.channels_last)
-        tensors.append(TensorSplit(images, split.targets.to(torch.int64).to(device)))
+        tensors.append(TensorSplit(images, targets.to(device)))
     identity = {"name": "mnist", "train_size": len(tensors[0]), "test_size": len(tensors[1]),
                 "sha256": digest.hexdigest()[:16]}
     return MnistData(tensors[0], tensors[1], identity)
