@@ -273,3 +273,14 @@ def verify(run_dir: str) -> None:
     if not infos[-1].valid:
         click.echo(f"newest checkpoint (step {infos[-1].step}) is not valid", err=True)
         sys.exit(1)
+
+
+def _register_commands() -> None:
+    from .export import export_command
+    from .plot import plot_command
+
+    main.add_command(export_command)
+    main.add_command(plot_command)
+
+
+_register_commands()
