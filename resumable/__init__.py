@@ -1,11 +1,13 @@
 """resumable: PyTorch training that survives being killed at any instant and resumes bit-identically."""
 
 from .checkpoint import CheckpointManager
-from .config import TrainConfig
+from .config import RunOptions, TrainConfig
+from .data import IndexBatches
+from .run import Run
 from .sampler import ResumableSampler
 from .session import Session
 from .state import Stateful, TrainState
 
 __version__ = "0.1.0"
-__all__ = ["CheckpointManager", "ResumableSampler", "Session", "Stateful", "TrainConfig", "TrainState",
-           "__version__"]
+__all__ = ["CheckpointManager", "IndexBatches", "ResumableSampler", "Run", "RunOptions", "Session", "Stateful",
+           "TrainConfig", "TrainState", "__version__"]

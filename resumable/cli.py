@@ -18,7 +18,7 @@ from .config import AMP_MODES, DEVICES, LR_SCHEDULES, TrainConfig, parse_duratio
 _CONFIG_OPTIONS = ("run_dir", "data_dir", "epochs", "max_steps", "batch_size", "lr", "seed", "device",
                    "lr_schedule", "amp", "checkpoint_steps", "checkpoint_every", "mtbf", "time_limit",
                    "sync_checkpoints", "on_save_error",
-                   "keep", "keep_best", "log_every", "download", "progress", "cache_dir",
+                   "keep", "keep_best", "log_every", "tensorboard", "download", "progress", "cache_dir",
                    "drive_credentials", "drive_flush_timeout")
 
 
@@ -100,6 +100,8 @@ def _fail(message: str) -> None:
               help="Also keep the checkpoint with the best test accuracy.")
 @click.option("--log-every", type=click.IntRange(min=1), default=TrainConfig.log_every, show_default=True,
               help="Write a training record to metrics.jsonl every N steps.")
+@click.option("--tensorboard", is_flag=True, default=TrainConfig.tensorboard,
+              help="Also write TensorBoard events to RUN_DIR/tensorboard (pip install 'resumable[tensorboard]').")
 @click.option("--download/--no-download", default=TrainConfig.download, show_default=True,
               help="Download MNIST when the files are missing.")
 @click.option("--progress/--no-progress", default=TrainConfig.progress, show_default=True,
@@ -164,6 +166,7 @@ def inspect(run_dir: str, as_json: bool, drive_credentials: str | None) -> None:
     checkpoint is durable there (every file uploaded and verified, then its manifest).
     """
     from .checkpoint import CheckpointManager, checkpoints_dir
+    from .sessions import SESSIONS, read_sessions
     from .storage import StorageError, open_run_location
     from .storage.tiered import describe_remote
 
@@ -172,26 +175,40 @@ def inspect(run_dir: str, as_json: bool, drive_credentials: str | None) -> None:
         if location.remote is not None:
             with tempfile.TemporaryDirectory() as scratch:
                 entries = describe_remote(location.remote, Path(scratch))
+                if SESSIONS in location.remote.list_files(""):
+                    location.remote.get_file("", SESSIONS, Path(scratch) / SESSIONS)
+                sessions = read_sessions(Path(scratch))
         else:
             entries = [i.to_json() for i in CheckpointManager(checkpoints_dir(run_dir)).inspect(deep=True)]
+            sessions = read_sessions(Path(run_dir))
     except StorageError as e:
         _fail(str(e))
     latest = next((e for e in reversed(entries) if e["valid"]), None)
     if as_json:
-        click.echo(json.dumps({"run_dir": run_dir, "checkpoints": entries, "latest_valid": latest}, indent=2))
+        click.echo(json.dumps({"run_dir": run_dir, "checkpoints": entries, "latest_valid": latest,
+                               "sessions": [s.to_json() for s in sessions]}, indent=2))
         return
     if not entries:
         click.echo(f"no checkpoints in {run_dir}")
-        return
-    click.echo(f"{'step':>10} {'epoch':>6} {'created':>20} {'size':>10}  status")
+    else:
+        click.echo(f"{'step':>10} {'epoch':>6} {'created':>20} {'size':>10}  status")
     for entry in entries:
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry["created"])) if entry["created"] else "-"
+        created = _clock(entry["created"])
         size = f"{entry['size'] / 1e6:8.2f}MB" if entry.get("size") is not None else "-"
         status = ("durable on Drive" if entry.get("durable") else "valid") if entry["valid"] \
             else f"INVALID: {entry['reason']}"
         marker = "  <- latest valid" if entry is latest else ""
         epoch = entry["epoch"] if entry["epoch"] is not None else "-"
         click.echo(f"{entry['step']:>10} {epoch:>6} {created:>20} {size:>10}  {status}{marker}")
+    if sessions:
+        click.echo(f"\n{'session':>7} {'started':>20} {'ended':>20} {'steps':>15}  how it ended")
+    for s in sessions:
+        steps = f"{s.start_step} → {s.end_step if s.end_step is not None else '?'}"
+        click.echo(f"{s.session:>7} {_clock(s.start):>20} {_clock(s.end):>20} {steps:>15}  {s.how}")
+
+
+def _clock(unix: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix)) if unix else "-"
 
 
 @main.command(context_settings={"ignore_unknown_options": True})

@@ -19,7 +19,59 @@ AMP_MODES = ("none", "bf16", "fp16")
 # Fields whose change alters the computation; checked against the checkpoint on resume.
 COMPUTATION_FIELDS = ("task", "batch_size", "seed", "lr", "lr_schedule", "amp")
 # Fields that belong to one invocation and are never inherited from a checkpoint.
-SESSION_FIELDS = ("run_dir", "progress", "download", "time_limit", "cache_dir", "drive_credentials")
+SESSION_FIELDS = ("run_dir", "progress", "download", "time_limit", "cache_dir", "drive_credentials", "tensorboard")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How the engine runs and checkpoints any model: the options shared by ``resumable-train`` and
+    :class:`resumable.Run`. None means "off"."""
+
+    epochs: int = 10
+    max_steps: int | None = None
+    checkpoint_steps: int | None = None
+    checkpoint_every: str | None = "5m"  # a duration, or "auto" (Young's formula with mtbf)
+    mtbf: str = "1h"
+    time_limit: str | None = None
+    sync_checkpoints: bool = False
+    on_save_error: str = "warn"
+    cache_dir: str | None = None
+    drive_credentials: str | None = None
+    drive_flush_timeout: str = "2m"
+    keep: int = 3
+    keep_best: bool = True
+    log_every: int = 10
+    progress: bool = True
+    tensorboard: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.epochs >= 1, "epochs", self.epochs, "must be at least 1")
+        _require(self.max_steps is None or self.max_steps >= 0, "max_steps", self.max_steps,
+                 "must be 0 or more")
+        _require(self.on_save_error in ("warn", "stop"), "on_save_error", self.on_save_error,
+                 "must be warn or stop")
+        for name in ("checkpoint_every", "mtbf", "time_limit", "drive_flush_timeout"):
+            value = getattr(self, name)
+            if value is not None and not (name == "checkpoint_every" and value == "auto"):
+                try:
+                    parse_duration(value)
+                except ValueError as e:
+                    raise ValueError(f"{name}={value!r}: {e}") from None
+        _require(self.checkpoint_steps is None or self.checkpoint_steps >= 1, "checkpoint_steps",
+                 self.checkpoint_steps, "must be at least 1")
+        _require(self.keep >= 1, "keep", self.keep, "must be at least 1 (the newest checkpoint is always kept)")
+        _require(self.log_every >= 1, "log_every", self.log_every, "must be at least 1")
+
+    @property
+    def checkpoint_every_s(self) -> float | None:
+        """Fixed wall-clock interval in seconds; None when off or auto."""
+        if self.checkpoint_every in (None, "auto"):
+            return None
+        return parse_duration(self.checkpoint_every)
+
+    @property
+    def time_limit_s(self) -> float | None:
+        return None if self.time_limit is None else parse_duration(self.time_limit)
 
 
 @dataclass(frozen=True)
@@ -55,43 +107,29 @@ class TrainConfig:
     log_every: int = 10
     download: bool = True
     progress: bool = True
+    tensorboard: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.epochs >= 1, "epochs", self.epochs, "must be at least 1")
-        _require(self.max_steps is None or self.max_steps >= 0, "max_steps", self.max_steps,
-                 "must be 0 or more")
         _require(self.batch_size >= 1, "batch_size", self.batch_size, "must be at least 1")
         _require(self.lr > 0, "lr", self.lr, "must be positive")
         _require(self.seed >= 0, "seed", self.seed, "must be 0 or more")
         _require(self.device in DEVICES, "device", self.device, f"must be one of {', '.join(DEVICES)}")
         _require(self.lr_schedule in LR_SCHEDULES, "lr_schedule", self.lr_schedule,
                  f"must be one of {', '.join(LR_SCHEDULES)}")
-        _require(self.on_save_error in ("warn", "stop"), "on_save_error", self.on_save_error,
-                 "must be warn or stop")
         _require(self.amp in AMP_MODES, "amp", self.amp, f"must be one of {', '.join(AMP_MODES)}")
-        for name in ("checkpoint_every", "mtbf", "time_limit", "drive_flush_timeout"):
-            value = getattr(self, name)
-            if value is not None and not (name == "checkpoint_every" and value == "auto"):
-                try:
-                    parse_duration(value)
-                except ValueError as e:
-                    raise ValueError(f"{name}={value!r}: {e}") from None
-        _require(self.checkpoint_steps is None or self.checkpoint_steps >= 1, "checkpoint_steps",
-                 self.checkpoint_steps, "must be at least 1")
-        _require(self.keep >= 1, "keep", self.keep, "must be at least 1 (the newest checkpoint is always kept)")
-        _require(self.log_every >= 1, "log_every", self.log_every, "must be at least 1")
         _require(self.task == "mnist", "task", self.task, "only 'mnist' is built in")
+        self.run_options()  # validates the engine's fields
+
+    def run_options(self) -> RunOptions:
+        return RunOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RunOptions)})
 
     @property
     def checkpoint_every_s(self) -> float | None:
-        """Fixed wall-clock interval in seconds; None when off or auto."""
-        if self.checkpoint_every in (None, "auto"):
-            return None
-        return parse_duration(self.checkpoint_every)
+        return self.run_options().checkpoint_every_s
 
     @property
     def time_limit_s(self) -> float | None:
-        return None if self.time_limit is None else parse_duration(self.time_limit)
+        return self.run_options().time_limit_s
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -3,15 +3,17 @@ owns the position in the data, the checkpoint triggers, stopping early, metrics 
 
 from __future__ import annotations
 
+import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
 from .checkpoint.writer import SaveFailed
+from .config import format_duration
 from .metrics import MetricsLog
 from .preemption import Budget, StopFlag
 from .sampler import ResumableSampler
@@ -26,6 +28,7 @@ class LoopPlan:
     log_every: int = 10
     progress: bool = True
     on_save_error: str = "warn"  # "warn": keep training and retry at the next trigger; "stop": exit 75
+    accumulate: int = 1  # micro-batches per optimizer step
 
 
 @dataclass
@@ -46,17 +49,19 @@ class _Estimate:
 
 
 class Loop:
-    """Runs training from ``session.state`` to the end of the plan, checkpointing on the way.
+    """Walks training from ``session.state`` to the end of the plan, checkpointing on the way.
 
-    ``train_step(indices)`` trains one batch and returns its loss tensor (not synced).
-    ``end_epoch(epoch)`` evaluates and returns metrics such as ``test_loss`` and ``test_acc``.
-    ``current_lr()`` is logged with each training record.
-    Before every step it checks for a stop request (``stop.requested``) and whether the next step and a
-    final save still fit in ``budget``; either commits a checkpoint and returns an unfinished Outcome.
+    :meth:`run` is a generator of ``(epoch, batch_index, indices)``: the caller trains that (micro-)batch,
+    optionally passes its loss to :meth:`report_loss`, then asks for the next. Bookkeeping, logging,
+    triggers and saves happen between batches, at optimizer-step boundaries only: with
+    ``plan.accumulate = K`` a step is K micro-batches (or the rest of the epoch), so a checkpoint never holds
+    half-accumulated gradients. ``end_epoch(epoch)`` evaluates and returns metrics such as ``test_acc``;
+    ``current_lr()`` is logged with each training record. Before every step the loop checks for a stop
+    request (``stop.requested``) and whether the next step and a final save still fit in ``budget``; either
+    commits a checkpoint and ends the generator with an unfinished :attr:`outcome`.
     """
 
     def __init__(self, session: Session, sampler: ResumableSampler, plan: LoopPlan, metrics: MetricsLog,
-                 train_step: Callable[[torch.Tensor], torch.Tensor],
                  end_epoch: Callable[[int], dict[str, float]],
                  current_lr: Callable[[], float], device: torch.device,
                  triggers: SaveTriggers | None = None, stop: StopFlag | None = None,
@@ -66,7 +71,6 @@ class Loop:
         self.sampler = sampler
         self.plan = plan
         self.metrics = metrics
-        self.train_step = train_step
         self.end_epoch = end_epoch
         self.current_lr = current_lr
         self.device = device
@@ -74,20 +78,35 @@ class Loop:
         self.stop = stop
         self.budget = budget or Budget(None)
         self.on_interval = on_interval
+        self.outcome: Outcome | None = None
         self._save_error: str | None = None  # set under --on-save-error stop
+        self._loss: torch.Tensor | None = None
         self.step_time = _Estimate()
         self.eval_time = _Estimate()
         self._clock = time.monotonic()
+        self._session_start_step = self.state.step
 
     # -- plan --------------------------------------------------------------------------------------
     @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.sampler.batches_per_epoch / self.plan.accumulate)
+
+    @property
     def total_steps(self) -> int:
-        planned = self.plan.epochs * self.sampler.batches_per_epoch
+        planned = self.plan.epochs * self.steps_per_epoch
         return planned if self.plan.max_steps is None else min(planned, self.plan.max_steps)
 
     def finished(self) -> bool:
         return self.state.epoch >= self.plan.epochs or (
             self.plan.max_steps is not None and self.state.step >= self.plan.max_steps)
+
+    def eta_s(self) -> float | None:
+        """Seconds to the end of the whole run (all sessions), from this session's step and eval times."""
+        if self.step_time.value == 0.0:
+            return None
+        left = max(self.total_steps - self.state.step, 0)
+        epochs_left = max(self.plan.epochs - self.state.epoch, 0)
+        return left * self.step_time.value + epochs_left * self.eval_time.value
 
     def _stop_reason(self) -> str | None:
         """Why training must stop before the next step, if it must."""
@@ -95,28 +114,37 @@ class Loop:
             return "save error"
         if self.stop is not None and self.stop.requested:
             return self.stop.requested
-        last_of_epoch = self.state.batch_in_epoch + 1 >= self.sampler.batches_per_epoch
+        last_of_epoch = self.state.batch_in_epoch + self.plan.accumulate >= self.sampler.batches_per_epoch
         step_s = self.step_time.value + (self.eval_time.value if last_of_epoch else 0.0)
         if not self.budget.fits(step_s, self.session.writer.stats.last_total_s):
             return "time limit"
         return None
 
+    def report_loss(self, loss: torch.Tensor) -> None:
+        """The loss of the batch just trained (not synced); summed into the epoch's train loss and logged."""
+        self._loss = loss
+
     # -- loop --------------------------------------------------------------------------------------
-    def run(self) -> Outcome:
+    def run(self) -> Iterator[tuple[int, int, torch.Tensor]]:
         self._clock = time.monotonic()
         outcome = Outcome(True, "finished")
-        while not self.finished():
-            if self.state.batch_in_epoch < self.sampler.batches_per_epoch:
-                reason = self._train_epoch()
-                if reason is not None:
-                    outcome = Outcome(False, reason)
-                    break
-            if self.state.batch_in_epoch >= self.sampler.batches_per_epoch:
-                self._finish_epoch()
-                reason = self._stop_reason() if not self.finished() else None
-                if reason is not None:
-                    outcome = Outcome(False, reason)
-                    break
+        bar = tqdm(total=self.total_steps, initial=min(self.state.step, self.total_steps), unit="step",
+                   disable=not self.plan.progress, file=sys.stderr, dynamic_ncols=True)
+        try:
+            while not self.finished():
+                if self.state.batch_in_epoch < self.sampler.batches_per_epoch:
+                    reason = yield from self._train_epoch(bar)
+                    if reason is not None:
+                        outcome = Outcome(False, reason)
+                        break
+                if self.state.batch_in_epoch >= self.sampler.batches_per_epoch:
+                    self._finish_epoch()
+                    reason = self._stop_reason() if not self.finished() else None
+                    if reason is not None:
+                        outcome = Outcome(False, reason)
+                        break
+        finally:
+            bar.close()
         if outcome.finished:
             self._check_saves()
         if self._save_error is not None:
@@ -124,9 +152,9 @@ class Loop:
         if self.session.last_saved_step != self.state.step and self._save_error is None:
             self._save(outcome.reason if not outcome.finished else "final")
         self.metrics.sync()
+        self.outcome = outcome
         if self._save_error is None:
             self.session.close()  # the final save must succeed: its SaveFailed propagates
-        return outcome
 
     def _check_saves(self) -> None:
         try:
@@ -147,52 +175,63 @@ class Loop:
         tqdm.write(f"resumable: WARNING: {error}; the newest valid checkpoint is still {newest}. Training goes on "
                    f"and the next trigger tries again (use --on-save-error stop to stop instead)", file=sys.stderr)
 
-    def _train_epoch(self) -> str | None:
-        """Train to the end of the epoch (or max_steps); returns a stop reason if stopped early."""
+    def _train_epoch(self, bar: tqdm) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Yield the epoch's batches to the end (or max_steps); returns a stop reason if stopped early."""
         state, plan, sampler = self.state, self.plan, self.sampler
-        batches = sampler.batches_per_epoch
+        batches, accumulate = sampler.batches_per_epoch, plan.accumulate
         order = sampler.epoch_order(state.epoch).to(self.device)
         # Summed on the device in float64 and synced only when needed; starting from the saved exact
         # value makes the epoch loss of a resumed run equal to an uninterrupted one.
         loss_sum = torch.tensor(state.epoch_loss_sum, dtype=torch.float64, device=self.device)
-        bar = tqdm(total=batches, initial=state.batch_in_epoch, desc=f"epoch {state.epoch + 1}/{plan.epochs}",
-                   unit="batch", disable=not plan.progress, file=sys.stderr, dynamic_ncols=True, leave=False)
-        bar_clock, bar_samples = time.monotonic(), 0
-        try:
-            for index in range(state.batch_in_epoch, batches):
+        bar.set_description(f"epoch {state.epoch + 1}/{plan.epochs}")
+        bar_clock, bar_samples, step_samples = time.monotonic(), 0, 0
+        started = time.monotonic()
+        window: list[torch.Tensor] = []
+        first = state.batch_in_epoch  # saves happen at step boundaries only, so this starts a window
+        for index in range(first, batches):
+            if index % accumulate == 0 or index == first:  # a step (accumulation window) begins
                 self._check_saves()  # a failed background save surfaces here, before another step
                 reason = self._stop_reason()
                 if reason is not None:
                     state.epoch_loss_sum = loss_sum.item()
                     return reason
                 started = time.monotonic()
-                indices = sampler.batch(order, index)
-                loss = self.train_step(indices)
-                loss_sum += loss.detach().double()
-                state.step += 1
-                state.batch_in_epoch = index + 1
-                state.samples_seen += len(indices)
+                step_samples = 0
+            indices = sampler.batch(order, index)
+            self._loss = None
+            yield state.epoch, index, indices
+            if self._loss is not None:
+                loss = self._loss.detach()
+                loss_sum += loss.double()
+                window.append(loss)
                 state.epoch_loss_count += 1
-                bar_samples += len(indices)
-                bar.update(1)
-                if state.step % plan.log_every == 0:
-                    value = loss.item()
-                    now = time.monotonic()
-                    rate = bar_samples / max(now - bar_clock, 1e-9)
-                    self.metrics.log({"step": state.step, "epoch": state.epoch + 1, "loss": value,
-                                      "lr": self.current_lr(), "samples_per_s": round(rate, 1),
-                                      "time": time.time()})
+            state.batch_in_epoch = index + 1
+            state.samples_seen += len(indices)
+            step_samples += len(indices)
+            if (index + 1) % accumulate and index + 1 < batches:
+                continue  # mid-window: no step boundary, so no log, trigger or save here
+            state.step += 1
+            bar_samples += step_samples
+            bar.update(1)
+            if state.step % plan.log_every == 0:
+                now = time.monotonic()
+                rate = bar_samples / max(now - bar_clock, 1e-9)
+                record = {"step": state.step, "epoch": state.epoch + 1}
+                if window:
+                    value = (torch.stack(window).double().mean() if len(window) > 1 else window[0]).item()
+                    record["loss"] = value
                     bar.set_postfix(loss=f"{value:.4f}", samples_s=f"{rate:,.0f}")
-                self.step_time.add(time.monotonic() - started)
-                if plan.max_steps is not None and state.step >= plan.max_steps:
-                    break
-                # A trigger on the last batch is left to the end-of-epoch save right after it.
-                trigger = self.triggers.due(state.step) if index + 1 < batches else None
-                if trigger is not None:
-                    state.epoch_loss_sum = loss_sum.item()
-                    self._save(trigger)
-        finally:
-            bar.close()
+                self.metrics.log({**record, "lr": self.current_lr(), "samples_per_s": round(rate, 1),
+                                  "time": time.time()})
+            window = []
+            self.step_time.add(time.monotonic() - started)
+            if plan.max_steps is not None and state.step >= plan.max_steps:
+                break
+            # A trigger on the last batch is left to the end-of-epoch save right after it.
+            trigger = self.triggers.due(state.step) if index + 1 < batches else None
+            if trigger is not None:
+                state.epoch_loss_sum = loss_sum.item()
+                self._save(trigger)
         state.epoch_loss_sum = loss_sum.item()
         return None
 
@@ -209,9 +248,12 @@ class Loop:
         acc = results.get("test_acc")
         if acc is not None and (state.best_test_acc is None or acc > state.best_test_acc):
             state.best_test_acc, state.best_step = acc, state.step
+        eta = self.eta_s()
+        progress = (f"  run {100 * state.step / max(self.total_steps, 1):.0f}% (step {state.step}/"
+                    f"{self.total_steps}{', ETA ' + format_duration(eta) if eta is not None else ''})")
         summary = (f"epoch {state.epoch + 1}/{self.plan.epochs}  step {state.step}  train_loss {train_loss:.4f}"
                    + "".join(f"  {k} {v:.4f}" for k, v in results.items())
-                   + f"  elapsed {state.elapsed_s:.1f}s")
+                   + f"  trained {format_duration(state.elapsed_s)} in all" + progress)
         tqdm.write(summary, file=sys.stderr)
         state.epoch += 1
         state.batch_in_epoch = 0

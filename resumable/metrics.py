@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ class MetricsLog:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._handle = None
+        self.on_record: Callable[[dict[str, Any]], None] | None = None  # e.g. TensorBoard
 
     def rollback(self, step: int) -> int:
         """Keep only records with ``step <= step``; returns how many were dropped."""
@@ -56,6 +58,8 @@ class MetricsLog:
             # and progress is visible to anyone reading the file.
             self._handle = open(self.path, "a", encoding="utf-8", buffering=1)
         self._handle.write(json.dumps(record) + "\n")
+        if self.on_record is not None:
+            self.on_record(record)
 
     def sync(self) -> None:
         """Make every record so far durable (fsync); called before a checkpoint commits, possibly from

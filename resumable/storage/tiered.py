@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..checkpoint import CheckpointManager
 from ..checkpoint import format as fmt
+from ..sessions import SESSIONS
 from .base import RemoteFile, RemoteStore
 from .retry import MissingFile, StorageError
 
@@ -104,8 +105,10 @@ def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
         except fmt.InvalidCheckpoint as e:
             say(f"warning: remote {folder} on {remote.description} does not verify ({e}); trying an older one")
             continue
-        if METRICS in remote.list_files(""):
-            remote.get_file("", METRICS, run_dir / METRICS)
+        logs = remote.list_files("")
+        for log in (METRICS, SESSIONS):
+            if log in logs:
+                remote.get_file("", log, run_dir / log)
         fmt.write_json_atomic(target / fmt.MANIFEST, manifest)
         say(f"brought checkpoint step {step} back from {remote.description}")
         return step
@@ -180,11 +183,11 @@ class Mirror:
             got = self.remote.put_file(folder, name, path)
             self._verify(name, path, got)
             self.bytes += got.size
-        metrics = self.run_dir / METRICS
-        if metrics.exists():
-            # The records up to this step are in the file (flushed before the commit); newer ones are
-            # rolled back on resume.
-            self.remote.put_file("", METRICS, metrics)
+        for log in (METRICS, SESSIONS):
+            # The records up to this step are in the metrics file (flushed before the commit); newer ones
+            # are rolled back on resume. The sessions log is the run's history, shown by inspect.
+            if (self.run_dir / log).exists():
+                self.remote.put_file("", log, self.run_dir / log)
         self.remote.put_file(folder, fmt.MANIFEST, source / fmt.MANIFEST)  # last: now it exists remotely
         self.durable.add(step)
         self.upload_s += time.monotonic() - started

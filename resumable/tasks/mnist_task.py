@@ -9,7 +9,7 @@ import torch
 
 from ..config import TrainConfig
 from ..sampler import ResumableSampler
-from ..state import Stateful, seed_everything
+from ..state import seed_everything
 from . import mnist
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -39,10 +39,6 @@ class MnistTask:
                 self.optimizer, max_lr=self.cfg.lr, total_steps=self.cfg.epochs * self.sampler.batches_per_epoch)
         return None
 
-    def objects(self) -> dict[str, Stateful | None]:
-        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
-                "scaler": self.scaler, "sampler": self.sampler}
-
     def computation(self) -> dict[str, Any]:
         """What a checkpoint must match to be resumed exactly."""
         comp = {**self.cfg.computation(), "dataset": self.data.identity}
@@ -68,11 +64,9 @@ class MnistTask:
             self.scheduler.step()
         return loss
 
-    def end_epoch(self, epoch: int) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float]:
+        """End of an epoch: test loss and accuracy, then the per-epoch LR schedule's step."""
         test_loss, test_acc = mnist.evaluate(self.model, self.data.test)
         if self.cfg.lr_schedule == "step":
             self.scheduler.step()
         return {"test_loss": test_loss, "test_acc": test_acc}
-
-    def current_lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
