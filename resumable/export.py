@@ -27,7 +27,7 @@ class ExportError(ResumableError):
     """Nothing suitable to export, or the output cannot be written; the message says what to do."""
 
 
-def choose_checkpoint(run_dir: Path, best: bool = False) -> CheckpointInfo:
+def checkpoint_to_export(run_dir: Path, best: bool = False) -> CheckpointInfo:
     """The newest fully verified checkpoint of ``run_dir``, or with ``best`` the valid one with the highest
     test_acc (ties: the newest)."""
     manager = CheckpointManager(checkpoints_dir(run_dir))
@@ -58,7 +58,7 @@ def export_model(run_dir: Path, out: Path, best: bool = False) -> tuple[Checkpoi
     out = Path(out)
     if out.is_dir():
         raise ExportError(f"--out {out} is a directory; give a file path such as {out / 'model.pt'}")
-    info = choose_checkpoint(Path(run_dir), best)
+    info = checkpoint_to_export(Path(run_dir), best)
     try:
         payload = CheckpointManager(checkpoints_dir(run_dir)).load(info)
     except InvalidCheckpoint as e:

@@ -144,6 +144,9 @@ def _as_source(data: Any, loader_options: dict[str, Any]) -> tuple[Any, int]:
 class Run:
     """A resumable training run over ``data`` (see the module docstring for the loop).
 
+    Iterating yields ``(epoch, step, batch)``: ``epoch`` counts from 0 and ``step`` is the number of optimizer
+    steps done before this batch (so it is also the 0-based index of the step the batch belongs to).
+
     ``data`` is a map-style ``Dataset`` (loaded through a ``DataLoader`` with ``num_workers``, ``collate_fn``,
     ``pin_memory`` and any other ``loader_options``) or :class:`resumable.IndexBatches` for tensors already on
     the device. ``evaluate()`` runs after each epoch and returns metrics (``test_acc`` picks the best

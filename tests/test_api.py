@@ -5,6 +5,7 @@ TensorBoard."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import signal
 import subprocess
 import sys
@@ -128,6 +129,28 @@ def test_an_exception_in_the_loop_leaves_a_resumable_run(tmp_path: Path) -> None
         again.log(torch.nn.functional.cross_entropy(again.model(x), y))
     assert again.finished and again.exit_code == 0 and again.resumed_from == 4
     assert [s.ended for s in read_sessions(tmp_path)] == ["interrupted", "finished"]
+    from click.testing import CliRunner
+
+    from resumable.cli import main
+
+    listed = json.loads(CliRunner().invoke(main, ["inspect", "--json", str(tmp_path)]).output)
+    assert [(s["start_step"], s["end_step"], s["how"]) for s in listed["sessions"]] == [(0, 5, "interrupted"),
+                                                                                         (4, 10, "finished")]
+
+
+def test_a_run_on_mounted_drive_is_mirrored_and_resumes_on_a_fresh_vm(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    mount = tmp_path / "drive"
+    monkeypatch.setenv("RESUMABLE_DRIVE_MOUNT", str(mount))
+    run_dir = mount / "MyDrive" / "own"
+    first = _tiny_run(run_dir, cache_dir=str(tmp_path / "cache1"), max_steps=6, checkpoint_steps=3)
+    for _epoch, _step, _batch in first:
+        pass
+    assert _steps(run_dir) == [3, 5, 6]  # epoch end at 5; durable on the (mounted) Drive, not only in the cache
+    again = _tiny_run(run_dir, cache_dir=str(tmp_path / "cache2"))  # a new VM: empty cache
+    for _epoch, _step, _batch in again:
+        pass
+    assert again.resumed_from == 6 and again.finished and _steps(run_dir)[-1] == 10
 
 
 def test_a_second_live_process_on_the_run_dir_is_refused(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir, fingerprint
-from resumable.export import ExportError, choose_checkpoint, export_command, export_model
+from resumable.export import ExportError, checkpoint_to_export, export_command, export_model
 
 
 def _save(root: Path, step: int, model: dict[str, Any], **meta: Any) -> None:
@@ -70,7 +70,7 @@ def test_best_picks_highest_test_acc_not_newest(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "step 3 (epoch 2, test_acc 0.9000)" in result.output
     assert torch.equal(torch.load(out, weights_only=True)["w"], torch.full((64, 64), 3.0))
-    assert choose_checkpoint(run_dir, best=False).step == 4
+    assert checkpoint_to_export(run_dir, best=False).step == 4
 
 
 def test_corrupt_newest_is_skipped(tmp_path: Path) -> None:
@@ -103,11 +103,11 @@ def test_no_valid_checkpoint_and_best_without_test_acc(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     _local_checkpoints(run_dir, [1])
     with pytest.raises(ExportError, match="--best: no valid checkpoint .* records test_acc"):
-        choose_checkpoint(run_dir, best=True)
+        checkpoint_to_export(run_dir, best=True)
     (checkpoints_dir(run_dir) / "step-000000001" / "state.pt").write_bytes(b"garbage")
     for best in (False, True):
         with pytest.raises(ExportError, match=r"no valid checkpoint in .*\(1 invalid\)"):
-            choose_checkpoint(run_dir, best=best)
+            checkpoint_to_export(run_dir, best=best)
 
 
 def test_out_is_a_directory_refused(tmp_path: Path) -> None:
