@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from .checkpoint.writer import SaveFailed
 from .config import format_duration
+from .distributed import Distributed
 from .metrics import MetricsLog
 from .preemption import Budget, StopFlag
 from .sampler import ResumableSampler
@@ -65,7 +66,8 @@ class Loop:
                  end_epoch: Callable[[int], dict[str, float]],
                  current_lr: Callable[[], float], device: torch.device,
                  triggers: SaveTriggers | None = None, stop: StopFlag | None = None,
-                 budget: Budget | None = None, on_interval: Callable[[float, float], None] | None = None) -> None:
+                 budget: Budget | None = None, on_interval: Callable[[float, float], None] | None = None,
+                 dist: Distributed | None = None) -> None:
         self.session = session
         self.state = session.state
         self.sampler = sampler
@@ -79,6 +81,7 @@ class Loop:
         self.budget = budget or Budget(None)
         self.on_interval = on_interval
         self.outcome: Outcome | None = None
+        self.dist = dist
         self._save_error: str | None = None  # set under --on-save-error stop
         self._loss: torch.Tensor | None = None
         self.step_time = _Estimate()
@@ -120,6 +123,27 @@ class Loop:
             return "time limit"
         return None
 
+    def _boundary(self, trigger: str | None) -> tuple[str | None, str | None]:
+        """At a step boundary: why training must stop, if it must, and whether a checkpoint is due.
+
+        Under DDP every rank gets the same answer from one all_reduce, so all ranks save and stop at the
+        same step: a signal or a spent budget on any rank stops them all, and rank 0's wall-clock trigger
+        (or a failed save, which only the writing rank sees) applies everywhere."""
+        self._check_saves()  # a failed background save surfaces here, before another step
+        reason = self._stop_reason()
+        if self.dist is None or not self.dist.active:
+            return reason, trigger
+        signal = self.stop.requested if self.stop is not None else None
+        error, signalled, spent, due = self.dist.any(
+            [reason == "save error", signal is not None, reason == "time limit", trigger is not None], self.device)
+        if error:
+            reason = "save error"
+        elif signalled:
+            reason = signal or "signal on another rank"
+        elif spent:
+            reason = "time limit"
+        return reason, (trigger or "time") if due else None
+
     def report_loss(self, loss: torch.Tensor) -> None:
         """The loss of the batch just trained (not synced); summed into the epoch's train loss and logged."""
         self._loss = loss
@@ -131,7 +155,10 @@ class Loop:
         bar = tqdm(total=self.total_steps, initial=min(self.state.step, self.total_steps), unit="step",
                    disable=not self.plan.progress, file=sys.stderr, dynamic_ncols=True)
         try:
-            while not self.finished():
+            reason = self._boundary(None)[0] if not self.finished() else None
+            if reason is not None:
+                outcome = Outcome(False, reason)
+            while outcome.finished and not self.finished():
                 if self.state.batch_in_epoch < self.sampler.batches_per_epoch:
                     reason = yield from self._train_epoch(bar)
                     if reason is not None:
@@ -139,7 +166,7 @@ class Loop:
                         break
                 if self.state.batch_in_epoch >= self.sampler.batches_per_epoch:
                     self._finish_epoch()
-                    reason = self._stop_reason() if not self.finished() else None
+                    reason = self._boundary(None)[0] if not self.finished() else None
                     if reason is not None:
                         outcome = Outcome(False, reason)
                         break
@@ -190,11 +217,6 @@ class Loop:
         first = state.batch_in_epoch  # saves happen at step boundaries only, so this starts a window
         for index in range(first, batches):
             if index % accumulate == 0 or index == first:  # a step (accumulation window) begins
-                self._check_saves()  # a failed background save surfaces here, before another step
-                reason = self._stop_reason()
-                if reason is not None:
-                    state.epoch_loss_sum = loss_sum.item()
-                    return reason
                 started = time.monotonic()
                 step_samples = 0
             indices = sampler.batch(order, index)
@@ -227,11 +249,15 @@ class Loop:
             self.step_time.add(time.monotonic() - started)
             if plan.max_steps is not None and state.step >= plan.max_steps:
                 break
-            # A trigger on the last batch is left to the end-of-epoch save right after it.
-            trigger = self.triggers.due(state.step) if index + 1 < batches else None
-            if trigger is not None:
+            if index + 1 == batches:
+                break  # the end-of-epoch evaluation, save and stop check come right after
+            reason, trigger = self._boundary(self.triggers.due(state.step))
+            if trigger is not None or reason is not None:
                 state.epoch_loss_sum = loss_sum.item()
+            if trigger is not None:
                 self._save(trigger)
+            if reason is not None:
+                return reason
         state.epoch_loss_sum = loss_sum.item()
         return None
 
@@ -240,7 +266,10 @@ class Loop:
         started = time.monotonic()
         results = self.end_epoch(state.epoch)
         self.eval_time.add(time.monotonic() - started)
-        train_loss = state.epoch_loss_sum / max(state.epoch_loss_count, 1)
+        loss_sum, loss_count = state.epoch_loss_sum, state.epoch_loss_count
+        if self.dist is not None and self.dist.active:  # the epoch's train loss over every rank's batches
+            loss_sum, loss_count = self.dist.sum([loss_sum, float(loss_count)], self.device)
+        train_loss = loss_sum / max(loss_count, 1)
         self._tick()
         record = {"step": state.step, "epoch": state.epoch + 1, "train_loss": train_loss, **results,
                   "elapsed_s": round(state.elapsed_s, 3), "time": time.time()}
@@ -254,7 +283,8 @@ class Loop:
         summary = (f"epoch {state.epoch + 1}/{self.plan.epochs}  step {state.step}  train_loss {train_loss:.4f}"
                    + "".join(f"  {k} {v:.4f}" for k, v in results.items())
                    + f"  trained {format_duration(state.elapsed_s)} in all" + progress)
-        tqdm.write(summary, file=sys.stderr)
+        if self.dist is None or self.dist.main:
+            tqdm.write(summary, file=sys.stderr)
         state.epoch += 1
         state.batch_in_epoch = 0
         state.epoch_loss_sum = 0.0

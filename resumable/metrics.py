@@ -35,13 +35,16 @@ def without_timing(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class MetricsLog:
     """Append-only JSONL log of training and evaluation records, each carrying ``step``."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
+    def __init__(self, path: Path | None) -> None:
+        """``path`` None: a log that records nothing (DDP ranks other than 0)."""
+        self.path = Path(path) if path is not None else None
         self._handle = None
         self.on_record: Callable[[dict[str, Any]], None] | None = None  # e.g. TensorBoard
 
     def rollback(self, step: int) -> int:
         """Keep only records with ``step <= step``; returns how many were dropped."""
+        if self.path is None:
+            return 0
         records = read_records(self.path)
         kept = [r for r in records if isinstance(r.get("step"), int) and r["step"] <= step]
         dropped = len(records) - len(kept)
@@ -52,6 +55,8 @@ class MetricsLog:
         return dropped
 
     def log(self, record: dict[str, Any]) -> None:
+        if self.path is None:
+            return
         if self._handle is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # Line-buffered: each record reaches the OS at once, so a kill loses none that were logged

@@ -34,6 +34,7 @@ from .checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, ch
 from .checkpoint.writer import CheckpointWriter, SaveFailed
 from .config import RunOptions, format_duration, parse_duration
 from .data import IndexBatches, LoaderBatches
+from .distributed import Distributed
 from .errors import ConfigMismatch, NothingToResume, ResumableError, RunDirInUse
 from .lock import RunLock
 from .loop import Loop, LoopPlan, Outcome
@@ -57,9 +58,16 @@ def say(message: str) -> None:
 
 
 def plain_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose state dict is checkpointed: a ``torch.compile``d model's original module, so keys
-    carry no ``_orig_mod.`` prefix and a checkpoint loads into the plain model (and back)."""
-    return getattr(model, "_orig_mod", model)
+    """The module whose state dict is checkpointed: inside ``torch.compile`` (``_orig_mod``) and
+    ``DistributedDataParallel`` (``module``) wrappers, so keys carry no prefix and a checkpoint loads into the
+    plain model, with or without those wrappers, on any number of GPUs."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
 
 
 def open_location(run_dir: str, cache_dir: str | None, credentials: str | None, restore: bool) -> RunLocation:
@@ -105,6 +113,31 @@ def choose_checkpoint(manager: CheckpointManager, run_dir: str, mode: str,
         raise NothingToResume(f"{run_dir} has checkpoints but none is valid ({found}); refusing to start over "
                               f"on top of them. Use --fresh --overwrite to discard them, or another --run-dir")
     return None, []
+
+
+def agree_on_start(dist: Distributed, run_dir: str, cache_dir: str | None, credentials: str | None, mode: str,
+                   overwrite: bool) -> tuple[RunLocation, tuple[CheckpointInfo | None, list[CheckpointInfo]]]:
+    """Open the run dir and pick the checkpoint to resume (see :func:`choose_checkpoint`).
+
+    Under DDP rank 0 does it (bringing a Drive checkpoint back first) and tells the others, which then open
+    the same run dir; an error on rank 0 is raised on every rank instead of leaving them waiting."""
+    if dist.main:
+        try:
+            location = open_location(run_dir, cache_dir, credentials, restore=not (mode == "fresh" and overwrite))
+            chosen = choose_checkpoint(CheckpointManager(checkpoints_dir(location.local_dir)), run_dir, mode,
+                                       overwrite)
+        except ResumableError as e:
+            dist.broadcast(e)
+            raise
+        dist.broadcast(chosen)
+        return location, chosen
+    chosen = dist.broadcast(None)
+    if isinstance(chosen, ResumableError):
+        raise chosen
+    try:
+        return open_run_location(run_dir, cache_dir, credentials), chosen
+    except (StorageError, ValueError) as e:
+        raise ResumableError(str(e)) from e
 
 
 def check_computation(saved: dict[str, Any], current: dict[str, Any], run_dir: str) -> None:
@@ -181,7 +214,9 @@ class Run:
         loader = {"num_workers": num_workers, "collate_fn": collate_fn, "pin_memory": pin_memory,
                   **(loader_options or {})}
         self.source, size = _as_source(data, {k: v for k, v in loader.items() if v is not None})
-        self.sampler = ResumableSampler(size, batch_size, seed, shuffle=shuffle, drop_last=drop_last)
+        self.dist = Distributed.current()  # torchrun: the user (or resumable-train) initialised the group
+        self.sampler = ResumableSampler(size, batch_size, seed, shuffle=shuffle, drop_last=drop_last,
+                                        rank=self.dist.rank, world_size=self.dist.world_size)
         self.accumulate = accumulate
         self.evaluate = evaluate
         self.device = torch.device(device) if device is not None else _device_of(model)
@@ -254,49 +289,65 @@ class Run:
         if previous is not None and previous is not self:
             say(f"closing the previous Run on {self.run_dir} in this process (a re-run notebook cell?)")
             previous.close()
-        lock = RunLock(location.local_dir)
-        lease = DriveLease(location.remote) if location.remote is not None else None
-        taken_over = lock.acquire()  # before anything in the run dir changes; raises RunDirInUse
-        _ACTIVE[location.local_dir] = self
+        lock = RunLock(location.local_dir) if self.dist.main else None  # rank 0 owns the run dir
+        lease = DriveLease(location.remote) if location.remote is not None and self.dist.main else None
         try:
+            taken_over = lock.acquire() if lock is not None else None  # raises RunDirInUse
+            _ACTIVE[location.local_dir] = self
             if lease is not None:
                 try:
                     taken_over = lease.acquire() or taken_over
                 except StorageError as e:
                     raise ResumableError(f"cannot take the lease on {location.remote.description}: {e}") from e
+        except ResumableError as e:
+            self.dist.broadcast(e)  # the other ranks stop too
+            self._release(location, lock, lease)
+            raise
+        refused = self.dist.broadcast(None)
+        if isinstance(refused, ResumableError):
+            raise refused
+        try:
             if taken_over:
                 say(taken_over)
-            try:
-                yield from self._locked()
-            finally:
-                if lease is not None:
-                    lease.release()
+            yield from self._locked()
         finally:
-            _ACTIVE.pop(location.local_dir, None)
+            self._release(location, lock, lease)
+
+    def _release(self, location: RunLocation, lock: RunLock | None, lease: DriveLease | None) -> None:
+        if lease is not None:
+            lease.release()
+        if _ACTIVE.get(location.local_dir) is self:
+            del _ACTIVE[location.local_dir]
+        if lock is not None:
             lock.release()
 
     def _prepare(self) -> None:
-        """Open the run dir, pick the checkpoint and restore it (before the lock: nothing is modified)."""
-        if self._location is None:
-            self._location = open_location(self.run_dir, self.options.cache_dir, self.options.drive_credentials,
-                                           restore=not (self.mode == "fresh" and self.overwrite))
+        """Open the run dir, pick the checkpoint and restore it (before the lock: nothing is modified).
+
+        Under DDP rank 0 opens the run dir (bringing a Drive checkpoint back) and picks the checkpoint; the
+        other ranks wait for its choice, then every rank loads the same checkpoint."""
+        if self._location is None or self._checkpoint is None:
+            self._location, self._checkpoint = agree_on_start(self.dist, self.run_dir, self.options.cache_dir,
+                                                              self.options.drive_credentials, self.mode,
+                                                              self.overwrite)
         run_dir = self._location.local_dir
         manager = CheckpointManager(checkpoints_dir(run_dir))
-        if self._checkpoint is None:
-            self._checkpoint = choose_checkpoint(manager, self.run_dir, self.mode, self.overwrite)
-        self._metrics = MetricsLog(run_dir / "metrics.jsonl")
-        remote = self._location.remote
+        main = self.dist.main
+        self._metrics = MetricsLog(run_dir / "metrics.jsonl" if main else None)
+        remote = self._location.remote if main else None
         self._mirror = Mirror(manager, remote, run_dir, say) if remote is not None else None
-        self._tensorboard = TensorBoardLog(run_dir) if self.options.tensorboard else None
+        self._tensorboard = TensorBoardLog(run_dir) if self.options.tensorboard and main else None
         self._session = Session(
             manager, self._objects, self.state,
-            meta={"config": self.settings, "computation": self.computation, "device": str(self.device)},
+            meta={"config": self.settings, "computation": self.computation, "device": str(self.device),
+                  "world_size": self.dist.world_size},
             keep=self.options.keep, keep_best=self.options.keep_best,
             writer=CheckpointWriter(asynchronous=not self.options.sync_checkpoints), before_commit=self._durable,
-            after_commit=self._mirror.submit if self._mirror is not None else None)
+            after_commit=self._mirror.submit if self._mirror is not None else None, dist=self.dist)
         latest, skipped = self._checkpoint
         if latest is not None:
             self._resume(latest, skipped)
+        self.dist.barrier()  # every rank has loaded before rank 0 starts changing the run dir
 
     def _durable(self) -> None:
         self._metrics.sync()
@@ -329,18 +380,34 @@ class Run:
                 raise ResumableError(f"the checkpoint {info.path} does not fit this model/optimizer ({detail}); "
                                      f"use the matching options, or start over with --fresh --overwrite") from e
             self.resumed_from = info.step
+            saved_world = info.manifest.get("world_size", 1)
+            if saved_world != self.dist.world_size:
+                self._remap_position(saved_world)
             say(f"resuming from step {info.step} (epoch {self.state.epoch}, batch {self.state.batch_in_epoch}), "
                 f"saved {describe_age(info.created)}")
             return
         raise ResumableError("no checkpoint could be loaded (see the warnings above); start over with --fresh "
                              "--overwrite or use another --run-dir")
 
+    def _remap_position(self, saved_world: int) -> None:
+        """Resume with another number of processes: keep the position in the epoch by sample count."""
+        state, sampler = self.state, self.sampler
+        samples = state.batch_in_epoch * sampler.batch_size * saved_world
+        batch = min(samples // sampler.global_batch, sampler.batches_per_epoch)
+        batch -= batch % self.accumulate
+        if self.dist.main:
+            say(f"warning: the checkpoint was written by {saved_world} process(es), this run has "
+                f"{self.dist.world_size}: the position in epoch {state.epoch + 1} is remapped by sample count "
+                f"(batch {state.batch_in_epoch} → {batch}). Training continues, but is not bit-identical to a run "
+                f"that kept one world size")
+        state.batch_in_epoch = batch
+
     def _locked(self) -> Iterator[tuple[int, int, Any]]:
         """Everything that modifies the run dir, under its lock."""
         location, session, state = self._location, self._session, self.state
         assert location is not None
-        run_dir, manager = location.local_dir, session.manager
-        if self.mode == "fresh" and self.overwrite:
+        run_dir, manager, main = location.local_dir, session.manager, self.dist.main
+        if self.mode == "fresh" and self.overwrite and main:
             manager.delete_all()
             for name in ("metrics.jsonl", "sessions.jsonl"):
                 (run_dir / name).unlink(missing_ok=True)
@@ -348,21 +415,23 @@ class Run:
                 location.remote.delete_folder(folder)
             if self._mirror is not None:
                 self._mirror.durable.clear()  # those were just deleted: the new run's steps must all be uploaded
-        run_dir.mkdir(parents=True, exist_ok=True)
-        manager.cleanup_incomplete()
-        self._metrics.rollback(state.step)
+        if main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            manager.cleanup_incomplete()
+            self._metrics.rollback(state.step)
         if self._tensorboard is not None:
             self._tensorboard.open(self.resumed_from)
             self._metrics.on_record = self._tensorboard.record
         plan = LoopPlan(epochs=self.options.epochs, max_steps=self.options.max_steps,
-                        log_every=self.options.log_every, progress=self.options.progress,
+                        log_every=self.options.log_every, progress=self.options.progress and main,
                         on_save_error=self.options.on_save_error, accumulate=self.accumulate)
-        sessions = SessionLog(run_dir)
+        sessions = SessionLog(run_dir if main else None)
         ended = "interrupted"  # the loop was left by break, an exception or close()
         with StopFlag() as stop:
             loop = Loop(session, self.sampler, plan, self._metrics, self._end_epoch, self._current_lr, self.device,
                         triggers=_triggers(self.options), stop=stop, budget=_budget(self.options),
-                        on_interval=self._announce_interval if self.options.checkpoint_every == "auto" else None)
+                        on_interval=self._announce_interval if self.options.checkpoint_every == "auto" else None,
+                        dist=self.dist)
             self._loop = loop
             if loop.finished() and self.resumed_from is not None:
                 say(f"run in {self.run_dir} is already complete at step {state.step} (epoch {state.epoch}); "
@@ -370,7 +439,8 @@ class Run:
                 self.outcome = Outcome(True, "finished")
                 self._close_quietly()
                 return
-            say(f"training on {self.device} with {torch.get_num_threads()} CPU thread(s): step {state.step} → "
+            ranks = f" (rank {self.dist.rank} of {self.dist.world_size})" if self.dist.active else ""
+            say(f"training on {self.device}{ranks} with {torch.get_num_threads()} CPU thread(s): step {state.step} → "
                 f"{loop.total_steps}, checkpoints in {manager.root}")
             sessions.start(state.step, self.resumed_from)
             try:
@@ -419,6 +489,8 @@ class Run:
 
     def _report(self) -> None:
         session, state, outcome = self._session, self.state, self.outcome
+        if not self.dist.main:
+            return
         say(session.writer.stats.summary())
         if outcome is None or outcome.finished:
             say(f"done at step {state.step}; newest checkpoint {session.manager.root / f'step-{state.step:09d}'}")

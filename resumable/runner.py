@@ -7,14 +7,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
-from .checkpoint import CheckpointManager, checkpoints_dir
 from .checkpoint.writer import SaveStats
 from .config import COMPUTATION_FIELDS, SESSION_FIELDS, TrainConfig
 from .data import IndexBatches
+from .distributed import Distributed
 from .errors import ConfigMismatch, ResumableError
-from .run import Run, choose_checkpoint, open_location
-from .state import TrainState
+from .run import Run, agree_on_start
+from .state import TrainState, seed_everything
 from .tasks.mnist_task import MnistTask
 
 _RESUME = {"auto": "auto", "resume": "must", "fresh": "never"}
@@ -32,12 +33,19 @@ def resolve_config(explicit: dict[str, Any], saved: dict[str, Any] | None) -> Tr
     return TrainConfig(**{**base, **explicit})
 
 
-def _pick_device(name: str) -> torch.device:
+def _device_type(name: str) -> str:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise ResumableError("--device cuda was given but CUDA is not available here; use --device cpu or auto")
-    return torch.device(name)
+    return name
+
+
+def _pick_device(name: str, dist: Distributed) -> torch.device:
+    if _device_type(name) == "cuda":
+        torch.cuda.set_device(dist.local_rank)  # under torchrun: one GPU per process
+        return torch.device("cuda", dist.local_rank)
+    return torch.device("cpu")
 
 
 @dataclass
@@ -50,20 +58,29 @@ class TrainResult:
 def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False) -> TrainResult:
     """Run ``resumable-train`` with the options the user gave explicitly."""
     run_dir = explicit.get("run_dir", TrainConfig.run_dir)
-    location = open_location(run_dir, explicit.get("cache_dir"), explicit.get("drive_credentials"),
-                             restore=not (mode == "fresh" and overwrite))  # overwrite deletes them anyway
-    manager = CheckpointManager(checkpoints_dir(location.local_dir))
-    latest, skipped = choose_checkpoint(manager, run_dir, mode, overwrite)
-    cfg = resolve_config(explicit, latest.manifest.get("config")) if latest is not None else TrainConfig(**explicit)
-    device = _pick_device(cfg.device)
-    task = MnistTask(cfg, device)
-    options = asdict(cfg.run_options())
-    run = Run(cfg.run_dir, model=task.model, optimizer=task.optimizer, scheduler=task.scheduler,
-              scaler=task.scaler, data=IndexBatches(lambda indices: indices, len(task.data.train)),
-              batch_size=cfg.batch_size, seed=cfg.seed, evaluate=task.evaluate, device=device,
-              resume=_RESUME[mode], overwrite=overwrite, prepared=(location, (latest, skipped)), **options)
-    run.computation = task.computation()  # what a checkpoint must match: the options that change the numbers
-    run.settings = cfg.to_dict()  # what the next start inherits for options not given again
-    for _epoch, _step, indices in run:
-        run.log(task.train_step(indices))
-    return TrainResult(run.exit_code, run.state, run.stats)
+    dist = Distributed.from_env(_device_type(explicit.get("device", TrainConfig.device)))  # torchrun: join
+    try:
+        location, (latest, skipped) = agree_on_start(dist, run_dir, explicit.get("cache_dir"),
+                                                     explicit.get("drive_credentials"), mode, overwrite)
+        saved = latest.manifest.get("config") if latest is not None else None
+        cfg = resolve_config(explicit, saved)
+        device = _pick_device(cfg.device, dist)
+        task = MnistTask(cfg, device)
+        if dist.active:
+            # Same initial weights on every rank (seeded, and DDP broadcasts rank 0's); other dropout masks.
+            task.model = DistributedDataParallel(task.model, device_ids=[device.index] if device.index is not None
+                                                 else None)
+            if dist.rank:
+                seed_everything(cfg.seed + 1_000_003 * dist.rank)
+        options = asdict(cfg.run_options())
+        run = Run(cfg.run_dir, model=task.model, optimizer=task.optimizer, scheduler=task.scheduler,
+                  scaler=task.scaler, data=IndexBatches(lambda indices: indices, len(task.data.train)),
+                  batch_size=cfg.batch_size, seed=cfg.seed, evaluate=task.evaluate, device=device,
+                  resume=_RESUME[mode], overwrite=overwrite, prepared=(location, (latest, skipped)), **options)
+        run.computation = task.computation()  # what a checkpoint must match: the options that change the numbers
+        run.settings = cfg.to_dict()  # what the next start inherits for options not given again
+        for _epoch, _step, indices in run:
+            run.log(task.train_step(indices))
+        return TrainResult(run.exit_code, run.state, run.stats)
+    finally:
+        dist.close()

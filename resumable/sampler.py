@@ -36,7 +36,7 @@ class ResumableSampler:
     """
 
     def __init__(self, num_samples: int, batch_size: int, seed: int, shuffle: bool = True,
-                 drop_last: bool = False) -> None:
+                 drop_last: bool = False, rank: int = 0, world_size: int = 1) -> None:
         if num_samples < 1:
             raise ValueError(f"num_samples={num_samples} must be at least 1")
         if batch_size < 1:
@@ -46,12 +46,20 @@ class ResumableSampler:
         self.seed = seed
         self.shuffle = shuffle
         self.drop_last = drop_last
+        self.rank = rank
+        self.world_size = world_size
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per step over all ranks (``batch_size`` per rank)."""
+        return self.batch_size * self.world_size
 
     @property
     def batches_per_epoch(self) -> int:
+        """Steps per epoch; under DDP each step is one ``batch_size`` slice per rank."""
         if self.drop_last:
-            return max(self.num_samples // self.batch_size, 1)
-        return math.ceil(self.num_samples / self.batch_size)
+            return max(self.num_samples // self.global_batch, 1)
+        return math.ceil(self.num_samples / self.global_batch)
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
         """The permutation of dataset indices for ``epoch`` (int64, on CPU)."""
@@ -62,11 +70,21 @@ class ResumableSampler:
         return torch.randperm(self.num_samples, generator=generator)
 
     def batch(self, order: torch.Tensor, index: int) -> torch.Tensor:
-        """The indices of batch ``index`` of an epoch whose order is ``order``."""
+        """This rank's indices of batch ``index`` of an epoch whose order is ``order``.
+
+        Under DDP step ``index`` covers ``order[index * B * W : (index + 1) * B * W]`` and rank ``r`` takes
+        the r-th slice of B, so the ranks' slices, concatenated in rank order, are the single-process order.
+        A short last step is split as evenly as possible (no sample twice, none dropped).
+        """
         if not 0 <= index < self.batches_per_epoch:
             raise IndexError(f"batch {index} is outside 0..{self.batches_per_epoch - 1}")
-        start = index * self.batch_size
-        return order[start:start + self.batch_size]
+        start = index * self.global_batch
+        chunk = order[start:start + self.global_batch]
+        if self.world_size == 1:
+            return chunk
+        if len(chunk) == self.global_batch:
+            return chunk[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+        return torch.tensor_split(chunk, self.world_size)[self.rank]
 
     def state_dict(self) -> dict[str, Any]:
         # Position lives in TrainState; this records the identity of the order so a resume can

@@ -14,10 +14,11 @@ import torch
 from .checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, fingerprint
 from .checkpoint.snapshot import Snapshotter
 from .checkpoint.writer import CheckpointWriter
+from .distributed import Distributed
 from .state import Stateful, TrainState, capture_rng, restore_rng
 
-# Payload keys that are not user objects.
-_TRAIN_STATE, _RNG = "train_state", "rng"
+# Payload keys that are not user objects; RNG_RANKS holds every rank's RNG states under DDP.
+_TRAIN_STATE, _RNG, RNG_RANKS = "train_state", "rng", "rng_ranks"
 
 
 class Session:
@@ -35,7 +36,7 @@ class Session:
                  state: TrainState, meta: dict[str, Any], keep: int = 3, keep_best: bool = True,
                  writer: CheckpointWriter | None = None,
                  before_commit: Callable[[], None] | None = None,
-                 after_commit: Callable[[int], None] | None = None) -> None:
+                 after_commit: Callable[[int], None] | None = None, dist: Distributed | None = None) -> None:
         if "model" not in objects or "optimizer" not in objects:
             raise ValueError("a session needs at least 'model' and 'optimizer' objects")
         self.manager = manager
@@ -47,6 +48,7 @@ class Session:
         self.writer = writer or CheckpointWriter(asynchronous=False)
         self.before_commit = before_commit
         self.after_commit = after_commit
+        self.dist = dist or Distributed()
         self._snapshotter = Snapshotter()
         self._last_size = 0
         self.last_saved_step: int | None = None
@@ -64,9 +66,15 @@ class Session:
         """Checkpoint the current state. Returns once the state is copied (async) or committed (sync,
         or ``wait=True``). A failure of an earlier background save is raised here as SaveFailed."""
         started = time.perf_counter()
+        if not self.dist.main:  # rank 0 writes; the others only hand it their RNG states
+            self.dist.gather(capture_rng())
+            self.last_saved_step = self.state.step
+            return
         self.writer.wait()  # at most one save in flight; its host buffers are about to be reused
         self._check_free_space()
         payload = self.payload()
+        if self.dist.active:
+            payload[RNG_RANKS] = self.dist.gather(payload[_RNG])
         if self.writer.asynchronous:
             payload = self._snapshotter.take(payload)
         step = self.state.step
@@ -98,6 +106,13 @@ class Session:
         self.last_saved_step = step
         if wait:
             self.writer.wait()
+
+    def _rng_of_this_rank(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """This rank's saved RNG states; rank 0's (the single-process ones) when the world size changed."""
+        ranks = payload.get(RNG_RANKS)
+        if isinstance(ranks, list) and len(ranks) == self.dist.world_size:
+            return ranks[self.dist.rank]
+        return payload[_RNG]
 
     def _check_free_space(self) -> None:
         """Warn before a save that will probably hit ENOSPC (the last checkpoint's size is the estimate)."""
@@ -134,7 +149,7 @@ class Session:
             obj.load_state_dict(payload[name])
         self.state.load_state_dict(payload[_TRAIN_STATE])
         if not os.environ.get("RESUMABLE_TEST_SKIP_RNG_RESTORE"):  # a deliberately broken engine, for chaos tests
-            restore_rng(payload[_RNG])  # last: loading must not consume random numbers after it
+            restore_rng(self._rng_of_this_rank(payload))  # last: loading must not consume random numbers after it
         self.last_saved_step = info.step
         self.resumed_from = info
         self._last_size = info.size  # the free-space check has an estimate from the first save on

@@ -68,8 +68,9 @@ def read_sessions(run_dir: Path) -> list[SessionRecord]:
 class SessionLog:
     """Writes this process's start and end records."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self.path = Path(run_dir) / SESSIONS
+    def __init__(self, run_dir: Path | None) -> None:
+        """``run_dir`` None: record nothing (DDP ranks other than 0)."""
+        self.path = Path(run_dir) / SESSIONS if run_dir is not None else None
         self.number: int | None = None
 
     def _append(self, record: dict) -> None:
@@ -79,7 +80,9 @@ class SessionLog:
             handle.flush()
             os.fsync(handle.fileno())
 
-    def start(self, step: int, resumed_from: int | None) -> int:
+    def start(self, step: int, resumed_from: int | None) -> int | None:
+        if self.path is None:
+            return None
         previous = read_sessions(self.path.parent)
         self.number = (previous[-1].session + 1) if previous else 1
         self._append({"event": "start", "session": self.number, "time": time.time(), "step": step,
