@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, checkpoints_dir, describe_age
-from .checkpoint.writer import CheckpointWriter, SaveFailed
+from .checkpoint.writer import CheckpointWriter, SaveFailed, SaveStats
 from .config import RunOptions, format_duration, parse_duration
 from .data import IndexBatches, LoaderBatches
 from .distributed import Distributed
@@ -50,7 +50,7 @@ from .storage.tiered import Mirror, restore_newest
 from .tensorboard import TensorBoardLog
 from .triggers import SaveTriggers
 
-_ACTIVE: dict[Path, Run] = {}  # open runs of this process by local run dir (a re-run notebook cell)
+_ACTIVE: dict[str, Run] = {}  # open runs of this process by run dir (a re-run notebook cell)
 
 
 def say(message: str) -> None:
@@ -255,8 +255,10 @@ class Run:
         return 0 if self.finished else EXIT_RESUME
 
     @property
-    def stats(self):  # noqa: ANN201 - SaveStats of this session's checkpoints
-        return self._session.writer.stats
+    def stats(self) -> SaveStats | None:
+        """Checkpoint figures of this session (None before training started)."""
+        session = getattr(self, "_session", None)
+        return session.writer.stats if session is not None else None
 
     def log(self, loss: torch.Tensor) -> None:
         """Report the loss of the batch just trained (not synced): train loss per epoch and log records."""
@@ -282,18 +284,18 @@ class Run:
             self._iterator.close()
 
     def _iterate(self) -> Iterator[tuple[int, int, Any]]:
+        previous = _ACTIVE.get(self.run_dir)
+        if previous is not None and previous is not self:  # before choosing: its last save may still commit
+            say(f"closing the previous Run on {self.run_dir} in this process (a re-run notebook cell?)")
+            previous.close()
         self._prepare()
         location = self._location
         assert location is not None
-        previous = _ACTIVE.get(location.local_dir)
-        if previous is not None and previous is not self:
-            say(f"closing the previous Run on {self.run_dir} in this process (a re-run notebook cell?)")
-            previous.close()
         lock = RunLock(location.local_dir) if self.dist.main else None  # rank 0 owns the run dir
         lease = DriveLease(location.remote) if location.remote is not None and self.dist.main else None
         try:
             taken_over = lock.acquire() if lock is not None else None  # raises RunDirInUse
-            _ACTIVE[location.local_dir] = self
+            _ACTIVE[self.run_dir] = self
             if lease is not None:
                 try:
                     taken_over = lease.acquire() or taken_over
@@ -316,8 +318,8 @@ class Run:
     def _release(self, location: RunLocation, lock: RunLock | None, lease: DriveLease | None) -> None:
         if lease is not None:
             lease.release()
-        if _ACTIVE.get(location.local_dir) is self:
-            del _ACTIVE[location.local_dir]
+        if _ACTIVE.get(self.run_dir) is self:
+            del _ACTIVE[self.run_dir]
         if lock is not None:
             lock.release()
 

@@ -127,7 +127,7 @@ def test_an_exception_in_the_loop_leaves_a_resumable_run(tmp_path: Path) -> None
     again = _tiny_run(tmp_path)
     for _epoch, _step, (x, y) in again:
         again.log(torch.nn.functional.cross_entropy(again.model(x), y))
-    assert again.finished and again.exit_code == 0 and again.resumed_from == 4
+    assert again.finished and again.exit_code == 0 and again.resumed_from == 5
     assert [s.ended for s in read_sessions(tmp_path)] == ["interrupted", "finished"]
     from click.testing import CliRunner
 
@@ -135,7 +135,7 @@ def test_an_exception_in_the_loop_leaves_a_resumable_run(tmp_path: Path) -> None
 
     listed = json.loads(CliRunner().invoke(main, ["inspect", "--json", str(tmp_path)]).output)
     assert [(s["start_step"], s["end_step"], s["how"]) for s in listed["sessions"]] == [(0, 5, "interrupted"),
-                                                                                         (4, 10, "finished")]
+                                                                                         (5, 10, "finished")]
 
 
 def test_a_run_on_mounted_drive_is_mirrored_and_resumes_on_a_fresh_vm(tmp_path: Path,
