@@ -75,7 +75,7 @@ class RunOptions:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(RunOptions):
     """Everything one ``resumable-train`` invocation needs.
 
     >>> TrainConfig(epochs=1, run_dir="runs/demo").epochs
@@ -85,31 +85,17 @@ class TrainConfig:
     run_dir: str = "runs/mnist"
     data_dir: str = "data"
     task: str = "mnist"
-    epochs: int = 10
-    max_steps: int | None = None
     batch_size: int = 128
     lr: float = 1e-3
     seed: int = 1
     device: str = "auto"
     lr_schedule: str = "none"
     amp: str = "none"
-    checkpoint_steps: int | None = None
-    checkpoint_every: str | None = "5m"  # a duration, or "auto" (Young's formula with mtbf)
-    mtbf: str = "1h"
-    time_limit: str | None = None
-    sync_checkpoints: bool = False
-    on_save_error: str = "warn"
-    cache_dir: str | None = None
-    drive_credentials: str | None = None
-    drive_flush_timeout: str = "2m"
-    keep: int = 3
-    keep_best: bool = True
-    log_every: int = 10
     download: bool = True
-    progress: bool = True
-    tensorboard: bool = False
+    # epochs, max_steps and the checkpoint, storage and logging options are inherited from RunOptions.
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the engine's fields
         _require(self.batch_size >= 1, "batch_size", self.batch_size, "must be at least 1")
         _require(self.lr > 0, "lr", self.lr, "must be positive")
         _require(self.seed >= 0, "seed", self.seed, "must be 0 or more")
@@ -118,18 +104,9 @@ class TrainConfig:
                  f"must be one of {', '.join(LR_SCHEDULES)}")
         _require(self.amp in AMP_MODES, "amp", self.amp, f"must be one of {', '.join(AMP_MODES)}")
         _require(self.task == "mnist", "task", self.task, "only 'mnist' is built in")
-        self.run_options()  # validates the engine's fields
 
     def run_options(self) -> RunOptions:
         return RunOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RunOptions)})
-
-    @property
-    def checkpoint_every_s(self) -> float | None:
-        return self.run_options().checkpoint_every_s
-
-    @property
-    def time_limit_s(self) -> float | None:
-        return self.run_options().time_limit_s
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
