@@ -172,12 +172,11 @@ class Loop:
                         break
         finally:
             bar.close()
-        if outcome.finished:
-            self._check_saves()
+        self._wait_saves()  # a save still in flight may fail: its outcome decides how this run ends
+        if not self._failed_anywhere() and self._agree(self.session.last_saved_step != self.state.step):
+            self._save(outcome.reason if not outcome.finished else "final")
         if self._save_error is not None:
             outcome = Outcome(False, "save error")  # the newest state is not committed: never "done"
-        if self.session.last_saved_step != self.state.step and self._save_error is None:
-            self._save(outcome.reason if not outcome.finished else "final")
         self.metrics.sync()
         self.outcome = outcome
         if self._save_error is None:
@@ -188,6 +187,24 @@ class Loop:
             self.session.writer.check()
         except SaveFailed as e:
             self._save_failed(e)
+
+    def _wait_saves(self) -> None:
+        try:
+            self.session.writer.wait()
+        except SaveFailed as e:
+            self._save_failed(e)
+
+    def _agree(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on any rank (so all ranks take the same branch)."""
+        if self.dist is None or not self.dist.active:
+            return flag
+        return self.dist.any([flag], self.device)[0]
+
+    def _failed_anywhere(self) -> bool:
+        """Whether a save failed under --on-save-error stop; only rank 0 writes, so it tells the others."""
+        if self._agree(self._save_error is not None) and self._save_error is None:
+            self._save_error = "a checkpoint save failed on rank 0"
+        return self._save_error is not None
 
     def _save_failed(self, error: SaveFailed) -> None:
         """Apply --on-save-error: a failed save never counts, the newest valid checkpoint stays."""
@@ -298,15 +315,16 @@ class Loop:
 
     def _save(self, reason: str, metrics: dict[str, float] | None = None) -> None:
         self._tick()
+        blocked_since = time.perf_counter()
+        # This save waits for the one in flight anyway; waiting first lets its failure be handled (warn:
+        # reported and cleared; stop: no more saves) before the ranks enter this save's collectives together.
+        self._wait_saves()
+        if self._failed_anywhere():
+            return
         try:
-            self.session.save(reason, metrics)
-        except SaveFailed as e:  # an earlier background save, or this one when saving synchronously
+            self.session.save(reason, metrics, blocked_since=blocked_since)
+        except SaveFailed as e:  # this save itself, when saving synchronously
             self._save_failed(e)
-            if self._save_error is None and self.session.last_saved_step != self.state.step:
-                try:  # warn policy: the failure was reported and cleared; this save is still due
-                    self.session.save(reason, metrics)
-                except SaveFailed as again:
-                    self._save_failed(again)
         stats = self.session.writer.stats
         interval = self.triggers.saved(stats.last_blocked_s)
         if interval is not None and self.on_interval is not None:

@@ -62,10 +62,12 @@ class Session:
         payload[_RNG] = capture_rng()
         return payload
 
-    def save(self, reason: str, metrics: dict[str, float] | None = None, wait: bool = False) -> None:
+    def save(self, reason: str, metrics: dict[str, float] | None = None, wait: bool = False,
+             blocked_since: float | None = None) -> None:
         """Checkpoint the current state. Returns once the state is copied (async) or committed (sync,
-        or ``wait=True``). A failure of an earlier background save is raised here as SaveFailed."""
-        started = time.perf_counter()
+        or ``wait=True``). A failure of an earlier background save is raised here as SaveFailed.
+        ``blocked_since``: when the caller started waiting for this save (``time.perf_counter()``)."""
+        started = time.perf_counter() if blocked_since is None else blocked_since
         if not self.dist.main:  # rank 0 writes; the others only hand it their RNG states
             self.dist.gather(capture_rng())
             self.last_saved_step = self.state.step

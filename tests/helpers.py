@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from resumable.metrics import read_records, without_timing
 
@@ -47,3 +51,18 @@ def final_fingerprint(run_dir: Path) -> str:
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
     return without_timing(read_records(Path(run_dir) / "metrics.jsonl"))
+
+
+@contextlib.contextmanager
+def small_filesystem(mount_point: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` (e.g. "48m") at ``mount_point``, so ENOSPC comes from the kernel; skips the
+    test when mounting is not allowed (it needs root)."""
+    mount_point.mkdir(parents=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import env, final_fingerprint, records
+from helpers import env, final_fingerprint, records, small_filesystem
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.sampler import ResumableSampler
@@ -122,3 +122,20 @@ def test_one_process_resumes_a_two_rank_checkpoint_with_a_warning(mnist_dir: Pat
     assert single.returncode == 0, single.stderr
     assert "written by 2 process(es), this run has 1" in single.stderr and "batch 12 → 24" in single.stderr
     assert _steps(tmp_path)[-1] == 20
+
+
+def test_a_failed_save_on_rank_0_stops_every_rank_without_a_hang(mnist_dir: Path, tmp_path: Path) -> None:
+    # A real 20 MB disk holds one checkpoint (14 MB) but not two: the second save fails with ENOSPC on rank 0,
+    # the only rank that writes. The other rank must learn of it, stop at the same step and never wait in a
+    # collective that rank 0 skipped.
+    with small_filesystem(tmp_path / "disk", "20m") as disk:
+        run_dir = disk / "run"
+        agent = _torchrun(run_dir, mnist_dir, "--on-save-error", "stop", "--keep", "1", "--no-keep-best")
+        try:
+            _, stderr = agent.communicate(timeout=180)
+        finally:
+            agent.kill()
+        assert agent.returncode != 0, stderr[-3000:]
+        assert "No space left on device" in stderr and "Stopping (--on-save-error stop)" in stderr, stderr[-3000:]
+        assert "stopped early (a checkpoint could not be written): the newest valid checkpoint is step 5" in stderr
+        assert _steps(run_dir) == [5]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from helpers import final_fingerprint, records
+from helpers import final_fingerprint, records, small_filesystem
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.checkpoint import format as fmt
@@ -78,6 +78,38 @@ def test_on_save_error_stop_exits_75_and_resumes_identically(tiny_mnist: Path, t
     assert (final_fingerprint(tmp_path), records(tmp_path)) == reference
 
 
+def fail_slowly(monkeypatch: pytest.MonkeyPatch, on_call: int, delay_s: float = 1.5) -> None:
+    """The ``on_call``-th payload write takes ``delay_s`` and then fails with ENOSPC (in the background)."""
+    import time
+
+    real, calls = fmt.write_payload, []
+
+    def slow_then_full(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == on_call:
+            time.sleep(delay_s)
+            raise OSError(errno.ENOSPC, "injected ENOSPC")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fmt, "write_payload", slow_then_full)
+
+
+@pytest.mark.parametrize("policy", ["stop", "warn"])
+def test_a_save_failing_after_the_last_step_decides_the_exit(tiny_mnist: Path, tmp_path: Path, monkeypatch,
+                                                              policy: str) -> None:
+    # The save of step 4 is still in flight when step 5 (the last, mid-epoch) ends; its failure must not be lost.
+    fail_slowly(monkeypatch, on_call=2)
+    result = invoke(tmp_path, tiny_mnist, "--max-steps", "5", "--on-save-error", policy)
+    latest, _ = CheckpointManager(checkpoints_dir(tmp_path)).latest_valid()
+    if policy == "stop":
+        assert result.exit_code == 75, result.output
+        assert "the newest valid checkpoint is step 2" in result.output and "done at step" not in result.output
+        assert latest.step == 2
+    else:
+        assert result.exit_code == 0, result.output
+        assert "WARNING" in result.output and latest.step == 5
+
+
 def test_prune_failing_half_way_loses_nothing_valid(tiny_mnist: Path, tmp_path: Path, monkeypatch,
                                                     reference) -> None:
     fail_once(monkeypatch, manager_module.shutil, "rmtree", errno.EIO, on_call=1)
@@ -105,18 +137,8 @@ def test_low_free_space_is_announced_before_saving(tiny_mnist: Path, tmp_path: P
 @pytest.fixture
 def small_disk(tmp_path: Path):
     """A real 48 MB filesystem (tmpfs), so ENOSPC comes from the kernel, not from a mock."""
-    import subprocess
-
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mount_point)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.strip()}")
-    try:
+    with small_filesystem(tmp_path / "disk", "48m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def test_real_disk_full_keeps_the_previous_checkpoint(tiny_mnist: Path, tmp_path: Path, small_disk: Path) -> None:
