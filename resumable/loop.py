@@ -175,12 +175,12 @@ class Loop:
         self._wait_saves()  # a save still in flight may fail: its outcome decides how this run ends
         if not self._failed_anywhere() and self._agree(self.session.last_saved_step != self.state.step):
             self._save(outcome.reason if not outcome.finished else "final")
-        if self._save_error is not None:
-            outcome = Outcome(False, "save error")  # the newest state is not committed: never "done"
+            self._wait_saves()  # the last save commits before the run ends
+        committed = self._save_error is None and self.session.last_saved_step == self.state.step
+        if self._agree(not committed):  # the newest state is not committed: never "done", on any rank
+            outcome = Outcome(False, "save error")
         self.metrics.sync()
         self.outcome = outcome
-        if self._save_error is None:
-            self.session.close()  # the final save must succeed: its SaveFailed propagates
 
     def _check_saves(self) -> None:
         try:

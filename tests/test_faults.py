@@ -110,6 +110,18 @@ def test_a_save_failing_after_the_last_step_decides_the_exit(tiny_mnist: Path, t
         assert "WARNING" in result.output and latest.step == 5
 
 
+@pytest.mark.parametrize("policy", ["stop", "warn"])
+def test_a_failed_final_save_exits_75_not_done(tiny_mnist: Path, tmp_path: Path, monkeypatch, policy: str) -> None:
+    fail_once(monkeypatch, fmt, "write_payload", errno.ENOSPC, on_call=3)  # saves at steps 2, 4, then 5: final
+    result = invoke(tmp_path, tiny_mnist, "--max-steps", "5", "--on-save-error", policy)
+    assert result.exit_code == 75, result.output
+    assert "stopped early (a checkpoint could not be written): the newest valid checkpoint is step 4" in result.output
+    assert "done at step" not in result.output and "Traceback" not in result.output
+    monkeypatch.undo()
+    result = invoke(tmp_path, tiny_mnist, "--max-steps", "5")
+    assert result.exit_code == 0 and "resuming from step 4" in result.output, result.output
+
+
 def test_prune_failing_half_way_loses_nothing_valid(tiny_mnist: Path, tmp_path: Path, monkeypatch,
                                                     reference) -> None:
     fail_once(monkeypatch, manager_module.shutil, "rmtree", errno.EIO, on_call=1)
