@@ -44,6 +44,7 @@ class ChaosReport:
     fingerprint: str | None = None
     reference_fingerprint: str | None = None
     unloadable_checkpoints: int = 0
+    kills_planned: int = 0
 
     @property
     def goodput(self) -> float:
@@ -218,7 +219,7 @@ class Chaos:
             difference = (f"metrics record {index} differs: {mine[index] if index < len(mine) else None} != "
                           f"{theirs[index] if index < len(theirs) else None}")
         return ChaosReport("IDENTICAL" if difference is None else "DIVERGED", difference, kills, chaos_wall,
-                           ref_wall, fp, ref_fp, bad)
+                           ref_wall, fp, ref_fp, bad, self.kills)
 
 
 def format_report(report: ChaosReport) -> str:
@@ -231,6 +232,9 @@ def format_report(report: ChaosReport) -> str:
                      f"{k.steps_lost if k.steps_lost is not None else '-':>10} {restart:>18}")
     lost = [k.steps_lost for k in report.kills if k.steps_lost is not None]
     lines.append("(* = killed inside a checkpoint write)")
+    if len(report.kills) < report.kills_planned:
+        lines.append(f"the run finished after {len(report.kills)} of the {report.kills_planned} kills asked for "
+                     f"(a longer run, e.g. a higher --max-steps, or a shorter --every fits them all)")
     if report.reference_wall_s:
         lines.append(f"goodput {100 * report.goodput:.1f}% (uninterrupted {report.reference_wall_s:.1f}s / "
                      f"interrupted {report.chaos_wall_s:.1f}s wall)")

@@ -12,8 +12,11 @@ TRAIN = ["--max-steps", "120", "--batch-size", "64", "--checkpoint-steps", "10",
 
 def test_chaos_five_kills_identical(mnist_dir: Path, tmp_path: Path) -> None:
     # Warm restarts (fork server) keep this test short; the broken-engine test below restarts cold.
-    result = run(["chaos", "--kills", "5", "--signal", "mix", "--seed", "3", "--every", "1s", "--warm",
-                  "--workdir", str(tmp_path), "--json", "--", "--data-dir", str(mnist_dir), *TRAIN],
+    # About 2.5 s of training between the 5 kills, far from the run's 200 steps even on a fast machine, so
+    # all 5 land before it finishes.
+    result = run(["chaos", "--kills", "5", "--signal", "mix", "--seed", "3", "--every", "0.5s", "--warm",
+                  "--workdir", str(tmp_path), "--json", "--", "--data-dir", str(mnist_dir), *TRAIN,
+                  "--max-steps", "200"],
                  name="resumable", timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
@@ -30,7 +33,8 @@ def test_chaos_detects_a_broken_engine(mnist_dir: Path, tmp_path: Path) -> None:
     # so every restart goes through the broken restore; even one such restart must be caught.
     result = run(["chaos", "--kills", "2", "--seed", "4", "--every", "2s", "--mid-save-every", "0",
                   "--break-rng-restore", "--workdir", str(tmp_path), "--", "--data-dir", str(mnist_dir), *TRAIN,
-                  "--checkpoint-steps", "3"],  # a checkpoint (so a broken restore) before any kill can land
+                  "--checkpoint-steps", "3",  # a checkpoint (so a broken restore) before any kill can land
+                  "--max-steps", "200"],  # the kills (1.3 s, 0.9 s in) land before the end on a fast machine too
                  name="resumable", timeout=600)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "DIVERGED" in result.stdout and "fingerprint" in result.stdout
@@ -61,3 +65,14 @@ def test_fork_server_children_are_real_processes(mnist_dir: Path, tmp_path: Path
 def test_chaos_refuses_a_run_dir_option(tmp_path: Path) -> None:
     result = run(["chaos", "--", "--run-dir", str(tmp_path)], name="resumable")
     assert result.returncode == 2 and "leave --run-dir out" in result.stderr
+
+
+def test_report_says_when_the_run_finished_before_all_kills() -> None:
+    from resumable.chaos import ChaosReport, Kill, format_report
+
+    kills = [Kill(1, "KILL", True, 40, 38, 2, 0.2), Kill(2, "TERM", False, 80, 80, 0, 0.2)]
+    report = ChaosReport("IDENTICAL", None, kills, 10.0, 9.0, "a", "a", 0, kills_planned=3)
+    text = format_report(report)
+    assert "the run finished after 2 of the 3 kills asked for" in text
+    assert text.splitlines()[-1] == "IDENTICAL" and "goodput 90.0%" in text
+    assert "finished after" not in format_report(ChaosReport("IDENTICAL", None, kills, 10.0, 9.0, kills_planned=2))
