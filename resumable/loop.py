@@ -175,7 +175,7 @@ class Loop:
         self._wait_saves()  # a save still in flight may fail: its outcome decides how this run ends
         if not self._failed_anywhere() and self._agree(self.session.last_saved_step != self.state.step):
             self._save(outcome.reason if not outcome.finished else "final")
-            self._wait_saves()  # the last save commits before the run ends
+            self._wait_saves(last=True)  # the last save commits before the run ends
         committed = self._save_error is None and self.session.last_saved_step == self.state.step
         if self._agree(not committed):  # the newest state is not committed: never "done", on any rank
             outcome = Outcome(False, "save error")
@@ -188,11 +188,11 @@ class Loop:
         except SaveFailed as e:
             self._save_failed(e)
 
-    def _wait_saves(self) -> None:
+    def _wait_saves(self, last: bool = False) -> None:
         try:
             self.session.writer.wait()
         except SaveFailed as e:
-            self._save_failed(e)
+            self._save_failed(e, last)
 
     def _agree(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank (so all ranks take the same branch)."""
@@ -206,8 +206,9 @@ class Loop:
             self._save_error = "a checkpoint save failed on rank 0"
         return self._save_error is not None
 
-    def _save_failed(self, error: SaveFailed) -> None:
-        """Apply --on-save-error: a failed save never counts, the newest valid checkpoint stays."""
+    def _save_failed(self, error: SaveFailed, last: bool = False) -> None:
+        """Apply --on-save-error: a failed save never counts, the newest valid checkpoint stays.
+        ``last``: the run's final save, after which nothing tries again."""
         latest, _ = self.session.manager.latest_valid()
         newest = f"step {latest.step}" if latest else "none yet"
         if self.plan.on_save_error == "stop":
@@ -216,8 +217,10 @@ class Loop:
                        f"(--on-save-error stop)", file=sys.stderr)
             return
         self.session.last_saved_step = latest.step if latest else None  # so the end of training saves again
-        tqdm.write(f"resumable: WARNING: {error}; the newest valid checkpoint is still {newest}. Training goes on "
-                   f"and the next trigger tries again (use --on-save-error stop to stop instead)", file=sys.stderr)
+        then = ("" if last else " Training goes on and the next save tries again (use --on-save-error stop to stop "
+                "instead)")
+        tqdm.write(f"resumable: WARNING: {error}; the newest valid checkpoint is still {newest}.{then}",
+                   file=sys.stderr)
 
     def _train_epoch(self, bar: tqdm) -> Iterator[tuple[int, int, torch.Tensor]]:
         """Yield the epoch's batches to the end (or max_steps); returns a stop reason if stopped early."""

@@ -118,7 +118,7 @@ def test_failed_background_save_is_reported_and_previous_stays_newest(tmp_path: 
     assert latest.step == 0 and [s.step for s in skipped] == [5]
 
 
-def test_cli_reports_failed_save_with_exit_1(tiny_mnist: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_reports_failed_saves_and_exits_75(tiny_mnist: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     original = CheckpointManager.save
     calls = []
 
@@ -131,7 +131,9 @@ def test_cli_reports_failed_save_with_exit_1(tiny_mnist: Path, tmp_path: Path, m
     monkeypatch.setattr(CheckpointManager, "save", flaky)
     result = CliRunner().invoke(train_command, ["--run-dir", str(tmp_path), "--data-dir", str(tiny_mnist),
                                                 "--batch-size", "16", "--checkpoint-steps", "2", "--no-progress"])
-    assert result.exit_code == 1
-    assert "Input/output error" in result.output and "newest valid checkpoint is step 2" in result.output
+    # Every save after the first fails, the last one too: the run ends early with its state not committed.
+    assert result.exit_code == 75, result.output
+    assert "Input/output error" in result.output and "newest valid checkpoint is still step 2" in result.output
+    assert "stopped early (a checkpoint could not be written): the newest valid checkpoint is step 2" in result.output
     monkeypatch.setattr(CheckpointManager, "save", original)
     assert CheckpointManager(checkpoints_dir(tmp_path)).latest_valid()[0].step == 2
