@@ -21,6 +21,7 @@ otherwise it stopped early with its state committed, and running the same code a
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -47,7 +48,7 @@ from .state import Stateful, TrainState
 from .storage import RunLocation, StorageError, open_run_location
 from .storage.lease import DriveLease
 from .storage.tiered import Mirror, restore_newest
-from .tensorboard import TensorBoardLog
+from .tensorboard import TENSORBOARD_DIR, TensorBoardLog
 from .triggers import SaveTriggers
 
 _ACTIVE: dict[str, Run] = {}  # open runs of this process by run dir (a re-run notebook cell)
@@ -413,8 +414,10 @@ class Run:
             manager.delete_all()
             for name in ("metrics.jsonl", "sessions.jsonl"):
                 (run_dir / name).unlink(missing_ok=True)
-            for folder in location.remote.list_checkpoints() if location.remote is not None else ():
-                location.remote.delete_folder(folder)
+            shutil.rmtree(run_dir / TENSORBOARD_DIR, ignore_errors=True)
+            if location.remote is not None:
+                for folder in [*location.remote.list_checkpoints(), TENSORBOARD_DIR]:
+                    location.remote.delete_folder(folder)
             if self._mirror is not None:
                 self._mirror.durable.clear()  # those were just deleted: the new run's steps must all be uploaded
         if main:

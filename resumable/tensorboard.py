@@ -13,6 +13,8 @@ from typing import Any
 
 from .errors import ResumableError
 
+TENSORBOARD_DIR = "tensorboard"  # RUN_DIR/tensorboard; mirrored to Drive with the run's logs
+
 # Record keys that are not scalars to plot.
 _SKIP = frozenset({"step", "epoch", "time"})
 _TRAINING = frozenset({"loss", "lr", "samples_per_s"})
@@ -20,7 +22,7 @@ _TRAINING = frozenset({"loss", "lr", "samples_per_s"})
 
 class TensorBoardLog:
     def __init__(self, run_dir: Path) -> None:
-        self.log_dir = Path(run_dir) / "tensorboard"
+        self.log_dir = Path(run_dir) / TENSORBOARD_DIR
         self._writer: Any = None
 
     def open(self, resumed_from: int | None) -> None:

@@ -118,7 +118,8 @@ def test_failed_background_save_is_reported_and_previous_stays_newest(tmp_path: 
     assert latest.step == 0 and [s.step for s in skipped] == [5]
 
 
-def test_cli_reports_failed_saves_and_exits_75(tiny_mnist: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_reports_failed_saves_and_exits_75(tiny_mnist: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     original = CheckpointManager.save
     calls = []
 

@@ -164,6 +164,41 @@ def test_rotation_keeps_two_plus_best_on_drive_and_nothing_in_trash(fake: FakeDr
     assert [c["step"] for c in listing["checkpoints"] if c["durable"]] == [6, 9, 10]
 
 
+def test_tensorboard_events_are_mirrored_and_come_back_on_a_fresh_vm(fake: FakeDrive, tiny_mnist: Path,
+                                                                     tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for key, value in drive_env(fake).items():
+        monkeypatch.setenv(key, value)
+    args = ["--checkpoint-steps", "2", "--tensorboard", "--log-every", "1"]
+    first = CliRunner().invoke(train_command, _train_args(
+        "gdrive://root/runs/tb", tiny_mnist, *args, "--max-steps", "10", "--cache-dir", str(tmp_path / "vm1")))
+    assert first.exit_code == 0, first.output
+    s = store(fake, path="runs/tb")
+    assert s.list_files("tensorboard"), "the event files are on Drive"
+    assert "tensorboard" not in s.list_checkpoints()
+    # The VM dies after the events of steps 9-10 reached Drive but before step 10's checkpoint did:
+    s.delete_folder("step-000000010")
+    second = CliRunner().invoke(train_command, _train_args(
+        "gdrive://root/runs/tb", tiny_mnist, *args, "--max-steps", "16", "--cache-dir", str(tmp_path / "vm2")))
+    assert second.exit_code == 0, second.output
+    assert "brought checkpoint step 8 back" in second.output and "resuming from step 8" in second.output
+    (cache,) = (tmp_path / "vm2").iterdir()
+    events = EventAccumulator(str(cache / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/lr")] == list(range(1, 17)), "each step once, across both VMs"
+    assert len(s.list_files("tensorboard")) == 2  # one event file per session, both on Drive
+    third = CliRunner().invoke(train_command, _train_args(
+        "gdrive://root/runs/tb", tiny_mnist, *args, "--max-steps", "4", "--cache-dir", str(tmp_path / "vm2"),
+        "--fresh", "--overwrite"))
+    assert third.exit_code == 0, third.output
+    s = store(fake, path="runs/tb")  # a new client: the folder ids the old one cached were deleted
+    assert len(s.list_files("tensorboard")) == 1 and len(list((cache / "tensorboard").iterdir())) == 1, \
+        "starting over drops the old run's curves, here and on Drive"
+
+
 def test_quota_exceeded_keeps_training_state_committed_locally(fake: FakeDrive, tiny_mnist: Path, tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     for key, value in drive_env(fake).items():
@@ -205,6 +240,19 @@ def test_kill_delete_cache_resume_from_drive_is_identical(fake: FakeDrive, tiny_
     assert final_fingerprint(local) == final_fingerprint(tmp_path / "local")
     assert records(local) == records(tmp_path / "local")
     assert durable_steps(s, tmp_path)[-1] == 120
+
+
+def test_mounted_store_keeps_run_folders_beside_the_checkpoints(tmp_path: Path) -> None:
+    s = mounted.MountedDirStore(tmp_path / "run")
+    log = tmp_path / "events"
+    log.write_bytes(b"x" * 10)
+    s.put_file("tensorboard", "events.out", log)
+    s.put_file("step-000000002", "state.pt", log)
+    assert (tmp_path / "run" / "tensorboard" / "events.out").is_file()
+    assert s.list_checkpoints() == ["step-000000002"] and s.list_files("tensorboard")["events.out"].size == 10
+    s.delete_folder("tensorboard")
+    s.delete_folder("tensorboard")  # already gone: no error
+    assert not (tmp_path / "run" / "tensorboard").exists()
 
 
 def test_flaky_mounted_drive_is_retried(tiny_mnist: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

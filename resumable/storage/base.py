@@ -11,7 +11,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from ..tensorboard import TENSORBOARD_DIR
+
 CHECKPOINTS = "checkpoints"
+RUN_FOLDERS = frozenset({TENSORBOARD_DIR})  # folders of the run root itself; any other folder is a checkpoint's
+
+
+def folder_parts(folder: str) -> tuple[str, ...]:
+    """Where ``folder`` lives in the run folder: "" is the run root, a RUN_FOLDERS name sits beside
+    ``checkpoints/``, and any other name is a checkpoint folder inside it."""
+    if not folder:
+        return ()
+    return (folder,) if folder in RUN_FOLDERS else (CHECKPOINTS, folder)
 
 
 @dataclass(frozen=True)
@@ -21,7 +32,8 @@ class RemoteFile:
 
 
 class RemoteStore(Protocol):
-    """Files addressed by (folder, name); folder is "" for the run root or a checkpoint dir name."""
+    """Files addressed by (folder, name); folder is "" for the run root, a checkpoint dir name, or one of
+    RUN_FOLDERS (see folder_parts)."""
 
     description: str
 
@@ -38,5 +50,5 @@ class RemoteStore(Protocol):
     def get_file(self, folder: str, name: str, target: Path) -> None: ...
 
     def delete_folder(self, folder: str) -> None:
-        """Delete a checkpoint folder permanently (not to the trash)."""
+        """Delete a folder permanently (not to the trash); a folder that is not there is no error."""
         ...

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .base import CHECKPOINTS, RemoteFile
+from .base import CHECKPOINTS, RemoteFile, folder_parts
 from .retry import MissingFile, RetryPolicy, StorageError, TransientStorageError
 
 SCHEME = "gdrive://"
@@ -149,7 +149,7 @@ class GDriveStore:
         return folder_id
 
     def _parts(self, folder: str) -> tuple[str, ...]:
-        return self.location.path + ((CHECKPOINTS, folder) if folder else ())
+        return self.location.path + folder_parts(folder)
 
     # -- RemoteStore -------------------------------------------------------------------------------
     def list_checkpoints(self) -> list[str]:

@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .base import CHECKPOINTS, RemoteFile
+from .base import CHECKPOINTS, RemoteFile, folder_parts
 from .retry import MissingFile, RetryPolicy, StorageError, TransientStorageError
 
 COLAB_DRIVE = Path("/content/drive")
@@ -45,7 +45,7 @@ class MountedDirStore:
         self.description = f"mounted folder {self.root}"
 
     def _dir(self, folder: str) -> Path:
-        return self.root / CHECKPOINTS / folder if folder else self.root
+        return self.root.joinpath(*folder_parts(folder))
 
     def _retry(self, action, what: str):
         return self.policy.call(action, _classify, f"{what} on {self.description}")
@@ -97,6 +97,8 @@ class MountedDirStore:
         # checkpoints here are few and rotate slowly, and the Drive API store deletes permanently.
         def remove() -> None:
             path = self._dir(folder)
+            if not path.is_dir():
+                return
             manifest = path / "manifest.json"
             if manifest.exists():
                 manifest.unlink()  # manifest first: a half-deleted folder is never a checkpoint

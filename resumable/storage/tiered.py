@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -19,10 +22,20 @@ from pathlib import Path
 from ..checkpoint import CheckpointManager
 from ..checkpoint import format as fmt
 from ..sessions import SESSIONS
+from ..tensorboard import TENSORBOARD_DIR
 from .base import RemoteFile, RemoteStore
 from .retry import MissingFile, StorageError
 
 METRICS = "metrics.jsonl"
+
+
+def run_logs(run_dir: Path) -> list[tuple[str, Path]]:
+    """The run's logs as (remote folder, local file): metrics, sessions and TensorBoard's event files."""
+    logs = [("", run_dir / name) for name in (METRICS, SESSIONS)]
+    board = run_dir / TENSORBOARD_DIR
+    if board.is_dir():
+        logs += [(TENSORBOARD_DIR, path) for path in sorted(board.iterdir())]
+    return [(folder, path) for folder, path in logs if path.is_file()]
 
 
 def md5_file(path: Path) -> str:
@@ -109,6 +122,11 @@ def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
         for log in (METRICS, SESSIONS):
             if log in logs:
                 remote.get_file("", log, run_dir / log)
+        board = remote.list_files(TENSORBOARD_DIR)
+        if board:  # the event files: the resumed session's purge_step drops what followed this checkpoint
+            (run_dir / TENSORBOARD_DIR).mkdir(parents=True, exist_ok=True)
+            for name in board:
+                remote.get_file(TENSORBOARD_DIR, name, run_dir / TENSORBOARD_DIR / name)
         fmt.write_json_atomic(target / fmt.MANIFEST, manifest)
         say(f"brought checkpoint step {step} back from {remote.description}")
         return step
@@ -132,6 +150,7 @@ class Mirror:
         self.say = say
         self.durable: set[int] = set(durable_steps(remote, local.root)) if local.root.is_dir() else set()
         self.errors: list[str] = []
+        self._log_sizes: dict[tuple[str, str], int] = {}  # what this process uploaded of each log
         self.bytes = 0
         self.upload_s = 0.0
         self._wake = threading.Event()
@@ -183,14 +202,28 @@ class Mirror:
             got = self.remote.put_file(folder, name, path)
             self._verify(name, path, got)
             self.bytes += got.size
-        for log in (METRICS, SESSIONS):
-            # The records up to this step are in the metrics file (flushed before the commit); newer ones
-            # are rolled back on resume. The sessions log is the run's history, shown by inspect.
-            if (self.run_dir / log).exists():
-                self.remote.put_file("", log, self.run_dir / log)
+        # The records up to this step are in the logs (flushed before the commit); newer ones are rolled
+        # back (metrics) or purged (TensorBoard) on resume. The sessions log is the run's history.
+        for log_folder, path in run_logs(self.run_dir):
+            self._put_log(log_folder, path)
         self.remote.put_file(folder, fmt.MANIFEST, source / fmt.MANIFEST)  # last: now it exists remotely
         self.durable.add(step)
         self.upload_s += time.monotonic() - started
+
+    def _put_log(self, folder: str, path: Path) -> None:
+        """Upload a log that training may be appending to, as a snapshot, unless it is unchanged (logs only
+        grow within a process)."""
+        key = (folder, path.name)
+        handle, snapshot = tempfile.mkstemp(prefix="resumable-log-")
+        os.close(handle)
+        try:
+            shutil.copyfile(path, snapshot)
+            size = os.path.getsize(snapshot)
+            if self._log_sizes.get(key) != size:
+                self.remote.put_file(folder, path.name, Path(snapshot))
+                self._log_sizes[key] = size
+        finally:
+            os.unlink(snapshot)
 
     @staticmethod
     def _verify(name: str, path: Path, got: RemoteFile) -> None:
