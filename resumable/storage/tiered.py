@@ -214,14 +214,14 @@ class Mirror:
         """Upload a log that training may be appending to, as a snapshot, unless it is unchanged (logs only
         grow within a process)."""
         key = (folder, path.name)
+        if self._log_sizes.get(key) == path.stat().st_size:
+            return
         handle, snapshot = tempfile.mkstemp(prefix="resumable-log-")
         os.close(handle)
         try:
             shutil.copyfile(path, snapshot)
-            size = os.path.getsize(snapshot)
-            if self._log_sizes.get(key) != size:
-                self.remote.put_file(folder, path.name, Path(snapshot))
-                self._log_sizes[key] = size
+            self.remote.put_file(folder, path.name, Path(snapshot))
+            self._log_sizes[key] = os.path.getsize(snapshot)
         finally:
             os.unlink(snapshot)
 
