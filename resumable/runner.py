@@ -3,6 +3,7 @@ through the same :class:`~resumable.run.Run` engine users get for their own mode
 
 from __future__ import annotations
 
+import gc
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -57,30 +58,38 @@ class TrainResult:
 
 def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False) -> TrainResult:
     """Run ``resumable-train`` with the options the user gave explicitly."""
-    run_dir = explicit.get("run_dir", TrainConfig.run_dir)
     dist = Distributed.from_env(_device_type(explicit.get("device", TrainConfig.device)))  # torchrun: join
     try:
-        location, (latest, skipped) = agree_on_start(dist, run_dir, explicit.get("cache_dir"),
-                                                     explicit.get("drive_credentials"), mode, overwrite)
-        saved = latest.manifest.get("config") if latest is not None else None
-        cfg = resolve_config(explicit, saved)
-        device = _pick_device(cfg.device, dist)
-        task = MnistTask(cfg, device)
-        if dist.active:
-            # Same initial weights on every rank (seeded, and DDP broadcasts rank 0's); other dropout masks.
-            task.model = DistributedDataParallel(task.model, device_ids=[device.index] if device.index is not None
-                                                 else None)
-            if dist.rank:
-                seed_everything(cfg.seed + 1_000_003 * dist.rank)
-        options = asdict(cfg.run_options())
-        run = Run(cfg.run_dir, model=task.model, optimizer=task.optimizer, scheduler=task.scheduler,
-                  scaler=task.scaler, data=IndexBatches(lambda indices: indices, len(task.data.train)),
-                  batch_size=cfg.batch_size, seed=cfg.seed, evaluate=task.evaluate, device=device,
-                  resume=_RESUME[mode], overwrite=overwrite, prepared=(location, (latest, skipped)), **options)
-        run.computation = task.computation()  # what a checkpoint must match: the options that change the numbers
-        run.settings = cfg.to_dict()  # what the next start inherits for options not given again
-        for _epoch, _step, indices in run:
-            run.log(task.train_step(indices))
-        return TrainResult(run.exit_code, run.state, run.stats)
+        return _train(dist, explicit, mode, overwrite)
     finally:
+        # The DDP model (and the Run around it) hold the process group. Free them now, while the interpreter is
+        # whole, so that destroying the group really ends gloo's threads here and not during interpreter
+        # teardown, where a late gloo destructor can abort the process (SIGABRT) after a clean run.
+        gc.collect()
         dist.close()
+
+
+def _train(dist: Distributed, explicit: dict[str, Any], mode: str, overwrite: bool) -> TrainResult:
+    run_dir = explicit.get("run_dir", TrainConfig.run_dir)
+    location, (latest, skipped) = agree_on_start(dist, run_dir, explicit.get("cache_dir"),
+                                                 explicit.get("drive_credentials"), mode, overwrite)
+    saved = latest.manifest.get("config") if latest is not None else None
+    cfg = resolve_config(explicit, saved)
+    device = _pick_device(cfg.device, dist)
+    task = MnistTask(cfg, device)
+    if dist.active:
+        # Same initial weights on every rank (seeded, and DDP broadcasts rank 0's); other dropout masks.
+        task.model = DistributedDataParallel(task.model, device_ids=[device.index] if device.index is not None
+                                             else None)
+        if dist.rank:
+            seed_everything(cfg.seed + 1_000_003 * dist.rank)
+    options = asdict(cfg.run_options())
+    run = Run(cfg.run_dir, model=task.model, optimizer=task.optimizer, scheduler=task.scheduler,
+              scaler=task.scaler, data=IndexBatches(lambda indices: indices, len(task.data.train)),
+              batch_size=cfg.batch_size, seed=cfg.seed, evaluate=task.evaluate, device=device,
+              resume=_RESUME[mode], overwrite=overwrite, prepared=(location, (latest, skipped)), **options)
+    run.computation = task.computation()  # what a checkpoint must match: the options that change the numbers
+    run.settings = cfg.to_dict()  # what the next start inherits for options not given again
+    for _epoch, _step, indices in run:
+        run.log(task.train_step(indices))
+    return TrainResult(run.exit_code, run.state, run.stats)

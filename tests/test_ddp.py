@@ -139,3 +139,27 @@ def test_a_failed_save_on_rank_0_stops_every_rank_without_a_hang(mnist_dir: Path
         assert "No space left on device" in stderr and "Stopping (--on-save-error stop)" in stderr, stderr[-3000:]
         assert "stopped early (a checkpoint could not be written): the newest valid checkpoint is step 5" in stderr
         assert _steps(run_dir) == [5]
+
+
+def test_the_ddp_model_is_freed_before_the_process_group_is_destroyed(mnist_dir: Path, tmp_path: Path) -> None:
+    # A DDP model still alive when its gloo group is destroyed is freed at interpreter teardown, where gloo's
+    # destructor can abort a run that ended cleanly (seen once in CI: SIGABRT after "done at step 40").
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import gc, sys\n"
+        "from torch.nn.parallel import DistributedDataParallel\n"
+        "from resumable import distributed, runner\n"
+        "close = distributed.Distributed.close\n"
+        "def probe(self):\n"
+        "    alive = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())\n"
+        "    print(f'rank {self.rank}: {alive} DDP alive', file=sys.stderr)\n"
+        "    close(self)\n"
+        "distributed.Distributed.close = probe\n"
+        f"result = runner.train({{'run_dir': {str(tmp_path / 'run')!r}, 'data_dir': {str(mnist_dir)!r}, "
+        "'device': 'cpu', 'max_steps': 4, 'batch_size': 64, 'progress': False, 'download': False})\n"
+        "sys.exit(result.exit_code)\n")
+    agent = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(script)],
+                           env=env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300,
+                           stdin=subprocess.DEVNULL)
+    assert agent.returncode == 0, agent.stderr[-3000:]
+    assert "rank 0: 0 DDP alive" in agent.stderr and "rank 1: 0 DDP alive" in agent.stderr, agent.stderr[-3000:]
