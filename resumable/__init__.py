@@ -2,12 +2,12 @@
 
 from .checkpoint import CheckpointManager
 from .config import RunOptions, TrainConfig
-from .data import IndexBatches
-from .distributed import Distributed, init_distributed
-from .run import Run
-from .sampler import ResumableSampler
-from .session import Session
-from .state import Stateful, TrainState
+from .engine.checkpointer import Session
+from .engine.data import IndexBatches
+from .engine.distributed import Distributed, init_distributed
+from .engine.run import Run
+from .engine.sampler import ResumableSampler
+from .engine.state import Stateful, TrainState
 
 __version__ = "0.1.0"
 __all__ = ["CheckpointManager", "Distributed", "IndexBatches", "ResumableSampler", "Run", "RunOptions", "Session",

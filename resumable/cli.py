@@ -132,8 +132,8 @@ def train_command(ctx: click.Context, mode: str | None, overwrite: bool, **optio
 
     from .checkpoint.writer import SaveFailed  # heavy imports after cheap validation
     from .errors import ResumableError
-    from .runner import train
     from .tasks.mnist import DataUnavailable
+    from .tasks.train_mnist import train
 
     try:
         code = train(explicit, mode=mode or "auto", overwrite=overwrite).exit_code
@@ -166,7 +166,7 @@ def inspect(run_dir: str, as_json: bool, drive_credentials: str | None) -> None:
     checkpoint is durable there (every file uploaded and verified, then its manifest).
     """
     from .checkpoint import CheckpointManager, checkpoints_dir
-    from .sessions import SESSIONS, read_sessions
+    from .reporting.history import SESSIONS, read_sessions
     from .storage import StorageError, open_run_location
     from .storage.tiered import describe_remote
 
@@ -242,7 +242,7 @@ def chaos(kills: int, signal_mode: str, seed: int | None, every: str, mid_save_e
 
     Example: resumable chaos --kills 5 -- --data-dir ../shared/data/mnist-mini --max-steps 300
     """
-    from .chaos import Chaos, format_report, report_json
+    from .tools.chaos import Chaos, format_report, report_json
 
     if "--run-dir" in train_args:
         raise click.UsageError("chaos chooses the run dirs itself; leave --run-dir out of the training options")
@@ -293,8 +293,8 @@ def verify(run_dir: str) -> None:
 
 
 def _register_commands() -> None:
-    from .export import export_command
-    from .plot import plot_command
+    from .tools.export import export_command
+    from .tools.plot import plot_command
 
     main.add_command(export_command)
     main.add_command(plot_command)

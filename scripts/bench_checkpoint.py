@@ -30,8 +30,8 @@ import torch
 
 from resumable.checkpoint import CheckpointManager
 from resumable.checkpoint.writer import CheckpointWriter
-from resumable.session import Session
-from resumable.state import TrainState
+from resumable.engine.checkpointer import Session
+from resumable.engine.state import TrainState
 
 CHUNK = 4 * 1024 * 1024  # floats per tensor (16 MB), like the large layers of a real model
 
@@ -147,7 +147,7 @@ def _tensors(obj):
 def bench_mnist(data_dir: str, repeats: int, epochs: int) -> None:
     """samples/s with the time trigger off (epoch-end saves only), at 10s, and at 1s (which exposes the
     per-save cost on this small dataset, whose epochs take only a few seconds), alternating."""
-    from resumable.runner import train
+    from resumable.tasks.train_mnist import train
 
     settings = (("off", None), ("10s", "10s"), ("1s", "1s"))
     rates: dict[str, list[float]] = {label: [] for label, _ in settings}

@@ -21,9 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchvision import datasets, transforms
 
-from resumable.metrics import read_records
-from resumable.runner import train as resumable_train
+from resumable.reporting.metrics import read_records
 from resumable.tasks.mnist import Net
+from resumable.tasks.train_mnist import train as resumable_train
 
 
 def guide_loop(data_dir: str, epochs: int, seed: int, device: str) -> tuple[float, float, int]:

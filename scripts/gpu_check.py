@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from resumable.metrics import read_records, without_timing
-from resumable.state import capture_rng, restore_rng
+from resumable.engine.state import capture_rng, restore_rng
+from resumable.reporting.metrics import read_records, without_timing
 
 TRAIN = [sys.executable, "-c", "from resumable.cli import train_command; train_command()"]
 ARGS = ["--max-steps", "300", "--checkpoint-steps", "40", "--log-every", "1", "--no-progress", "--no-download",

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from resumable.metrics import read_records, without_timing
+from resumable.reporting.metrics import read_records, without_timing
 
 BIN = Path(sys.executable).parent
 

@@ -20,7 +20,7 @@ from resumable import Run
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.checkpoint import format as fmt
 from resumable.errors import RunDirInUse
-from resumable.sessions import read_sessions
+from resumable.reporting.history import read_sessions
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "scripts" / "own_model_example.py"
 
@@ -104,7 +104,7 @@ def test_tensorboard_purges_events_after_the_resumed_step(tmp_path: Path) -> Non
     events.Reload()
     steps = [event.step for event in events.Scalars("train/lr")]
     assert steps == list(range(1, 31)), "each step once: events after the resumed step 20 were purged"
-    from resumable.plot import plot_data
+    from resumable.tools.plot import plot_data
 
     assert plot_data(tmp_path).resume_steps == [20]
 

@@ -12,8 +12,8 @@ from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.checkpoint.snapshot import Snapshotter
 from resumable.checkpoint.writer import CheckpointWriter, SaveFailed
 from resumable.cli import train_command
-from resumable.session import Session
-from resumable.state import TrainState
+from resumable.engine.checkpointer import Session
+from resumable.engine.state import TrainState
 
 
 def _session(root: Path, asynchronous: bool = True):

@@ -45,7 +45,7 @@ def test_fork_server_children_are_real_processes(mnist_dir: Path, tmp_path: Path
     import signal
     import time
 
-    from resumable.forkserver import ForkServer
+    from resumable.tools.forkserver import ForkServer
 
     server = ForkServer()
     try:
@@ -68,7 +68,7 @@ def test_chaos_refuses_a_run_dir_option(tmp_path: Path) -> None:
 
 
 def test_report_says_when_the_run_finished_before_all_kills() -> None:
-    from resumable.chaos import ChaosReport, Kill, format_report
+    from resumable.tools.chaos import ChaosReport, Kill, format_report
 
     kills = [Kill(1, "KILL", True, 40, 38, 2, 0.2), Kill(2, "TERM", False, 80, 80, 0, 0.2)]
     report = ChaosReport("IDENTICAL", None, kills, 10.0, 9.0, "a", "a", 0, kills_planned=3)

@@ -15,7 +15,7 @@ import torch
 from helpers import env, final_fingerprint, records, small_filesystem
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
-from resumable.sampler import ResumableSampler
+from resumable.engine.sampler import ResumableSampler
 
 BIN = Path(sys.executable).parent
 TRAIN = ["--device", "cpu", "--max-steps", "40", "--checkpoint-steps", "5", "--batch-size", "64", "--log-every", "1",
@@ -148,7 +148,7 @@ def test_the_ddp_model_is_freed_before_the_process_group_is_destroyed(mnist_dir:
     script.write_text(
         "import gc, sys\n"
         "from torch.nn.parallel import DistributedDataParallel\n"
-        "from resumable import distributed, runner\n"
+        "from resumable.engine import distributed\nfrom resumable.tasks import train_mnist as runner\n"
         "close = distributed.Distributed.close\n"
         "def probe(self):\n"
         "    alive = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())\n"

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir, fingerprint
-from resumable.export import ExportError, checkpoint_to_export, export_command, export_model
+from resumable.tools.export import ExportError, checkpoint_to_export, export_command, export_model
 
 
 def _save(root: Path, step: int, model: dict[str, Any], **meta: Any) -> None:

@@ -136,7 +136,7 @@ def test_prune_failing_half_way_loses_nothing_valid(tiny_mnist: Path, tmp_path: 
 
 
 def test_low_free_space_is_announced_before_saving(tiny_mnist: Path, tmp_path: Path, monkeypatch) -> None:
-    from resumable import session
+    from resumable.engine import checkpointer as session
 
     real = shutil.disk_usage
     monkeypatch.setattr(session.shutil, "disk_usage",

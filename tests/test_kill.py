@@ -18,7 +18,7 @@ from helpers import command, env, final_fingerprint, records, run
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.checkpoint import format as fmt
-from resumable.metrics import read_records
+from resumable.reporting.metrics import read_records
 
 MAX_STEPS = 160
 ARGS = ["--max-steps", str(MAX_STEPS), "--batch-size", "64", "--checkpoint-steps", "15", "--log-every", "1",

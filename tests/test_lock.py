@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import command, env
 
+from resumable.engine.lock import LOCK_FILE, RunLock
 from resumable.errors import RunDirInUse
-from resumable.lock import LOCK_FILE, RunLock
 
 
 def test_second_lock_is_refused_naming_the_owner(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from resumable.plot import plot_command, plot_data, render
+from resumable.tools.plot import plot_command, plot_data, render
 
 
 def write_jsonl(path: Path, records: list[dict], torn: str = "") -> None:

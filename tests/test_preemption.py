@@ -8,11 +8,11 @@ import signal
 import pytest
 from click.testing import CliRunner
 
-from resumable import preemption
 from resumable.cli import train_command
 from resumable.config import format_duration, parse_duration
-from resumable.preemption import Budget, StopFlag
-from resumable.triggers import SaveTriggers, young_interval
+from resumable.engine import preemption
+from resumable.engine.preemption import Budget, StopFlag
+from resumable.engine.triggers import SaveTriggers, young_interval
 
 
 @pytest.mark.parametrize("text, seconds", [("90s", 90), ("5m", 300), ("1h30m", 5400), ("2h", 7200),

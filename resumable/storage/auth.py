@@ -122,6 +122,6 @@ def drive_login(client_secrets: str, token_path: Path = DEFAULT_TOKEN) -> Path:
 
 
 def _in_colab() -> bool:
-    from ..preemption import in_colab
+    from ..engine.preemption import in_colab
 
     return in_colab()

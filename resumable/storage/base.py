@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ..tensorboard import TENSORBOARD_DIR
+from ..reporting.tensorboard import TENSORBOARD_DIR
 
 CHECKPOINTS = "checkpoints"
 RUN_FOLDERS = frozenset({TENSORBOARD_DIR})  # folders of the run root itself; any other folder is a checkpoint's

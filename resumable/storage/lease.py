@@ -16,8 +16,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ..engine.lock import in_use_message, lock_record, stale_reason
 from ..errors import RunDirInUse
-from ..lock import in_use_message, lock_record, stale_reason
 from .base import RemoteStore
 from .retry import MissingFile, StorageError
 

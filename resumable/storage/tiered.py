@@ -21,8 +21,8 @@ from pathlib import Path
 
 from ..checkpoint import CheckpointManager
 from ..checkpoint import format as fmt
-from ..sessions import SESSIONS
-from ..tensorboard import TENSORBOARD_DIR
+from ..reporting.history import SESSIONS
+from ..reporting.tensorboard import TENSORBOARD_DIR
 from .base import RemoteFile, RemoteStore
 from .retry import MissingFile, StorageError
 

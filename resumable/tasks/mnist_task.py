@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from ..config import TrainConfig
-from ..sampler import ResumableSampler
-from ..state import seed_everything
+from ..engine.sampler import ResumableSampler
+from ..engine.state import seed_everything
 from . import mnist
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import click
 
-from .metrics import read_records
-from .sessions import read_sessions
+from ..reporting.history import read_sessions
+from ..reporting.metrics import read_records
 
 METRICS = "metrics.jsonl"
 MAIN_METRIC = "test_acc"

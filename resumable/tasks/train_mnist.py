@@ -1,5 +1,5 @@
 """``resumable-train``: reconcile the command line with the checkpoint, build the MNIST task, and train it
-through the same :class:`~resumable.run.Run` engine users get for their own models."""
+through the same :class:`~resumable.engine.run.Run` engine users get for their own models."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .checkpoint.writer import SaveStats
-from .config import COMPUTATION_FIELDS, SESSION_FIELDS, TrainConfig
-from .data import IndexBatches
-from .distributed import Distributed
-from .errors import ConfigMismatch, ResumableError
-from .run import Run, agree_on_start
-from .state import TrainState, seed_everything
-from .tasks.mnist_task import MnistTask
+from ..checkpoint.writer import SaveStats
+from ..config import COMPUTATION_FIELDS, SESSION_FIELDS, TrainConfig
+from ..engine.data import IndexBatches
+from ..engine.distributed import Distributed
+from ..engine.run import Run, agree_on_start
+from ..engine.state import TrainState, seed_everything
+from ..errors import ConfigMismatch, ResumableError
+from .mnist_task import MnistTask
 
 _RESUME = {"auto": "auto", "resume": "must", "fresh": "never"}
 

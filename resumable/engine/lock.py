@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .errors import RunDirInUse
+from ..errors import RunDirInUse
 
 LOCK_FILE = "lock.json"
 

@@ -31,24 +31,24 @@ from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, checkpoints_dir, describe_age
-from .checkpoint.writer import CheckpointWriter, SaveFailed, SaveStats
-from .config import RunOptions, format_duration, parse_duration
+from ..checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, checkpoints_dir, describe_age
+from ..checkpoint.writer import CheckpointWriter, SaveFailed, SaveStats
+from ..config import RunOptions, format_duration, parse_duration
+from ..errors import ConfigMismatch, NothingToResume, ResumableError, RunDirInUse
+from ..reporting.history import SessionLog
+from ..reporting.metrics import MetricsLog
+from ..reporting.tensorboard import TENSORBOARD_DIR, TensorBoardLog
+from ..storage import RunLocation, StorageError, open_run_location
+from ..storage.lease import DriveLease
+from ..storage.tiered import Mirror, restore_newest
+from .checkpointer import Session
 from .data import IndexBatches, LoaderBatches
 from .distributed import Distributed
-from .errors import ConfigMismatch, NothingToResume, ResumableError, RunDirInUse
 from .lock import RunLock
 from .loop import Loop, LoopPlan, Outcome
-from .metrics import MetricsLog
 from .preemption import EXIT_RESUME, Budget, StopFlag, colab_default_limit_s, process_age_s
 from .sampler import ResumableSampler
-from .session import Session
-from .sessions import SessionLog
 from .state import Stateful, TrainState
-from .storage import RunLocation, StorageError, open_run_location
-from .storage.lease import DriveLease
-from .storage.tiered import Mirror, restore_newest
-from .tensorboard import TENSORBOARD_DIR, TensorBoardLog
 from .triggers import SaveTriggers
 
 _ACTIVE: dict[str, Run] = {}  # open runs of this process by run dir (a re-run notebook cell)

@@ -14,10 +14,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .checkpoint import CheckpointManager, checkpoints_dir
-from .checkpoint import format as fmt
+from ..checkpoint import CheckpointManager, checkpoints_dir
+from ..checkpoint import format as fmt
+from ..reporting.metrics import read_records, without_timing
 from .forkserver import ForkServer
-from .metrics import read_records, without_timing
 
 TRAIN = [sys.executable, "-c", "from resumable.cli import train_command; train_command()"]
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}

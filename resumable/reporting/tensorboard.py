@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .errors import ResumableError
+from ..errors import ResumableError
 
 TENSORBOARD_DIR = "tensorboard"  # RUN_DIR/tensorboard; mirrored to Drive with the run's logs
 

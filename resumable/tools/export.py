@@ -15,9 +15,9 @@ from typing import Any
 import click
 import torch
 
-from .checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, checkpoints_dir
-from .checkpoint.format import fsync_dir
-from .errors import ResumableError
+from ..checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, checkpoints_dir
+from ..checkpoint.format import fsync_dir
+from ..errors import ResumableError
 
 # Wrapper prefixes on parameter names: torch.compile (``_orig_mod.``) and DistributedDataParallel (``module.``).
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from .checkpoint.writer import SaveFailed
-from .config import format_duration
+from ..checkpoint.writer import SaveFailed
+from ..config import format_duration
+from ..reporting.metrics import MetricsLog
+from .checkpointer import Session
 from .distributed import Distributed
-from .metrics import MetricsLog
 from .preemption import Budget, StopFlag
 from .sampler import ResumableSampler
-from .session import Session
 from .triggers import SaveTriggers
 
 

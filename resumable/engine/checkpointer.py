@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, fingerprint
-from .checkpoint.snapshot import Snapshotter
-from .checkpoint.writer import CheckpointWriter
+from ..checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, fingerprint
+from ..checkpoint.snapshot import Snapshotter
+from ..checkpoint.writer import CheckpointWriter
 from .distributed import Distributed
 from .state import Stateful, TrainState, capture_rng, restore_rng
 

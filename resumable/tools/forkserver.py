@@ -50,7 +50,7 @@ def _child(sock: socket.socket, request: dict, err_fd: int) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        from .cli import train_command
+        from ..cli import train_command
 
         train_command.main(request["args"], prog_name="resumable-train", standalone_mode=True)
         code = 0
@@ -71,8 +71,8 @@ def serve(fd: int) -> None:
     import torch  # noqa: F401 - the point of the server: imported once, before any fork
     import torch._dynamo  # noqa: F401 - creating any optimizer imports it (~1.4 s), in every process
 
-    from . import cli  # noqa: F401
-    from .tasks import mnist_task  # noqa: F401
+    from .. import cli  # noqa: F401
+    from ..tasks import mnist_task  # noqa: F401
 
     sock = socket.socket(fileno=fd)
     _send(sock, {"ready": True})
@@ -131,7 +131,7 @@ class ForkServer:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        code = f"from resumable.forkserver import serve; serve({theirs.fileno()})"
+        code = f"from resumable.tools.forkserver import serve; serve({theirs.fileno()})"
         self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()],
                                       stdin=subprocess.DEVNULL)
         theirs.close()
