@@ -3,7 +3,7 @@ faults injected (one per upload), and the retries it took.
 
     python scripts/bench_drive.py --sizes 15,200 --repeats 5
 
-The server is tests/fake_drive.py (real HTTP over 127.0.0.1, the real pydrive2 stack); no network is used.
+The server is tests/fakedrive/ (real HTTP over 127.0.0.1, the real pydrive2 stack); no network is used.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from fake_drive import FakeDrive, make_drive  # noqa: E402
+from fakedrive import FakeDrive, make_drive  # noqa: E402
 
 from resumable.storage.gdrive import DriveLocation, GDriveStore  # noqa: E402
 from resumable.storage.retry import RetryPolicy  # noqa: E402

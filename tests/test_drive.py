@@ -1,5 +1,5 @@
 """Google Drive storage against a loopback Drive v2 server: the real pydrive2/googleapiclient/httplib2
-stack over real sockets, with faults injected by the server (see fake_drive.py)."""
+stack over real sockets, with faults injected by the server (see tests/fakedrive/)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from fake_drive import FakeDrive, make_drive
+from fakedrive import FakeDrive, make_drive
 from helpers import command, env, final_fingerprint, records, run
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir, fingerprint

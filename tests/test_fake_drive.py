@@ -1,4 +1,4 @@
-"""The real pydrive2 / googleapiclient / httplib2 stack against the loopback Drive v2 fake (tests/fake_drive.py).
+"""The real pydrive2 / googleapiclient / httplib2 stack against the loopback Drive v2 fake (tests/fakedrive/).
 
 These pin down both that the fake speaks the protocol pydrive2 uses and how that stack reports each kind of failure,
 which is what code uploading checkpoints to Drive has to handle.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pydrive2.files
 import pytest
-from fake_drive import FOLDER_MIME, FakeDrive, RewritingHttp, make_drive, make_gauth, make_http, make_service
+from fakedrive import FOLDER_MIME, FakeDrive, RewritingHttp, make_drive, make_gauth, make_http, make_service
 from googleapiclient.errors import HttpError
 from googleapiclient.http import MediaIoBaseUpload
 from oauth2client.client import AccessTokenCredentialsError

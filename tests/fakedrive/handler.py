@@ -1,0 +1,106 @@
+"""The HTTP layer: a threading server and a request handler that acts out faults and writes ``Reply`` objects.
+
+The handler knows HTTP and sockets; what a request means is ``FakeDrive.dispatch``'s business.
+"""
+
+from __future__ import annotations
+
+import io
+import socket
+import struct
+import sys
+import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+from .faults import fault_reply
+from .replies import Reply
+
+if TYPE_CHECKING:
+    from .server import FakeDrive
+
+_REASON_PHRASES = {308: "Resume Incomplete"}  # Google's name for 308 in resumable uploads
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False  # keep-alive client connections must not block stop()
+    drive: FakeDrive
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):  # a client hung up or reset (timeouts, drop tests): routine, not a bug
+            return
+        with self.drive.lock:
+            self.drive.server_errors.append(traceback.format_exc())
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"  # keep-alive, like Google's front end; httplib2 reuses connections
+    timeout = 30  # reap idle keep-alive connections instead of leaking threads
+
+    def setup(self) -> None:
+        super().setup()
+        # Headers and body go out in separate writes; without NODELAY, Nagle + delayed ACK add ~40 ms per call.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self.server.drive.lock:
+            self.server.drive._connections.add(self.connection)
+
+    def finish(self) -> None:
+        with self.server.drive.lock:
+            self.server.drive._connections.discard(self.connection)
+        super().finish()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # pytest output stays clean; FakeDrive.requests is the log
+
+    def _serve(self) -> None:
+        drive: FakeDrive = self.server.drive
+        method, target = self.command, self.path
+        fault = drive._take_fault(method, target)
+        if "upload_id=" in target:
+            with drive.lock:
+                drive.upload_ranges.append(self.headers.get("Content-Range", ""))
+        length = int(self.headers.get("Content-Length") or 0)
+        if fault and fault.kind == "drop":
+            drive.absorb_partial(target, self.headers, self.rfile.read(length // 2))
+            self._reset()
+            return
+        body = self.rfile.read(length) if length else b""
+        if fault and fault.kind == "close":
+            self.close_connection = True  # the server then shuts the socket down cleanly, with no reply
+            return
+        reply = fault_reply(fault.kind) if fault else None  # status and HTML faults answer instead of the API
+        if reply is None:
+            reply = drive.dispatch(method, target, self.headers, body)
+            if fault and fault.kind == "stall":
+                drive._stop.wait(fault.seconds)  # the change is already applied; only the answer is late
+        self._write(drive, reply)
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _serve
+
+    def _write(self, drive: FakeDrive, reply: Reply) -> None:
+        # Record first: once the bytes are out, the client may look at FakeDrive.responses before this thread runs on.
+        with drive.lock:
+            drive.responses.append((self.command, self.path, reply.status))
+        try:
+            self.send_response(reply.status, _REASON_PHRASES.get(reply.status))
+            for name, value in reply.headers.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(reply.body)))
+            self.end_headers()
+            self.wfile.write(reply.body)
+            self.wfile.flush()
+        except OSError:  # the client gave up (e.g. after a stall); nothing to answer
+            self.close_connection = True
+
+    def _reset(self) -> None:
+        # SO_LINGER(on, 0) makes close() send RST instead of FIN. The makefile() reader holds a reference to the
+        # socket, so close it first or the descriptor (and the connection) would stay open.
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.rfile.close()
+        self.wfile.close()
+        self.connection.close()
+        self.rfile, self.wfile = io.BytesIO(), io.BytesIO()  # harmless targets for the server's own teardown
+        self.close_connection = True
