@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..reporting.tensorboard import TENSORBOARD_DIR
 
@@ -25,6 +25,17 @@ def folder_parts(folder: str) -> tuple[str, ...]:
     return (folder,) if folder in RUN_FOLDERS else (CHECKPOINTS, folder)
 
 
+def run_of(manifest: dict[str, Any] | None) -> str | None:
+    """The run id a manifest names; None ("unknown": older manifests have none) for anything else."""
+    run = (manifest or {}).get("run_id")
+    return run if isinstance(run, str) and run else None
+
+
+def same_run(a: str | None, b: str | None) -> bool:
+    """Whether two run ids may be one run; an unknown id is compatible with anything."""
+    return a is None or b is None or a == b
+
+
 @dataclass(frozen=True)
 class RemoteFile:
     size: int
@@ -36,6 +47,9 @@ class RemoteStore(Protocol):
     RUN_FOLDERS (see folder_parts)."""
 
     description: str
+    # Seconds a checkpoint must have been durable before the Mirror may prune the one before it. The Drive
+    # API verifies what it stored (0); a mount only has the file in its local cache and uploads it later.
+    prune_grace_s: float
 
     def list_checkpoints(self) -> list[str]:
         """Names of the checkpoint folders (``step-*``)."""

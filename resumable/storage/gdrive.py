@@ -98,6 +98,8 @@ def classify(error: BaseException) -> StorageError | None:
 class GDriveStore:
     """A run folder on Google Drive: ``<location>/checkpoints/step-*/...`` plus run-level files."""
 
+    prune_grace_s = 0.0  # an upload that returned (size and md5 checked) is stored by Drive: prune at once
+
     def __init__(self, drive: Any, location: DriveLocation, policy: RetryPolicy | None = None,
                  url: str = "") -> None:
         self.drive = drive  # a pydrive2 GoogleDrive

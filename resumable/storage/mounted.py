@@ -18,6 +18,10 @@ from .retry import MissingFile, RetryPolicy, StorageError, TransientStorageError
 COLAB_DRIVE = Path("/content/drive")
 # Other Drive mounts (rclone, google-drive-ocamlfuse, a test's flaky folder) can be named here.
 MOUNT_ENV = "RESUMABLE_DRIVE_MOUNT"
+# On the Colab mount a written file is only in the VM's FUSE cache; Google's client uploads it later. The
+# previous checkpoint stays on the mount this long after a newer one was written there (see Mirror).
+PRUNE_GRACE_ENV = "RESUMABLE_MOUNT_PRUNE_GRACE_S"
+DEFAULT_PRUNE_GRACE_S = 600.0
 _TRANSIENT = {errno.ENOTCONN, errno.EIO, errno.ETIMEDOUT, errno.EAGAIN, errno.ESTALE, errno.EBUSY}
 
 
@@ -38,11 +42,30 @@ def _classify(error: BaseException) -> StorageError | None:
     return None
 
 
+def _grace_from_env() -> float:
+    raw = os.environ.get(PRUNE_GRACE_ENV)
+    if raw is None:
+        return DEFAULT_PRUNE_GRACE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also catches nan
+        raise ValueError(f"{PRUNE_GRACE_ENV}={raw!r} is not a number of seconds >= 0; unset it for the default "
+                         f"{DEFAULT_PRUNE_GRACE_S:.0f}")
+    return value
+
+
 class MountedDirStore:
-    def __init__(self, root: Path, policy: RetryPolicy | None = None) -> None:
+    def __init__(self, root: Path, policy: RetryPolicy | None = None, prune_grace_s: float | None = None) -> None:
+        """``prune_grace_s``: how long a checkpoint must have been on the mount before the one before it may be
+        deleted (default: $RESUMABLE_MOUNT_PRUNE_GRACE_S, else 600 s)."""
         self.root = Path(root)
         self.policy = policy or RetryPolicy()
         self.description = f"mounted folder {self.root}"
+        if prune_grace_s is not None and not prune_grace_s >= 0:
+            raise ValueError(f"prune_grace_s={prune_grace_s!r} must be a number of seconds >= 0")
+        self.prune_grace_s = _grace_from_env() if prune_grace_s is None else float(prune_grace_s)
 
     def _dir(self, folder: str) -> Path:
         return self.root.joinpath(*folder_parts(folder))

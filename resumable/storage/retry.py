@@ -33,6 +33,12 @@ class RetryPolicy:
     max_s: float = 64.0
     sleep: Callable[[float], None] = time.sleep
     retries: int = field(default=0, compare=False)  # retries performed, for reporting
+    # Jitter has its own generator: retries run on the mirror's thread, and drawing from the global
+    # ``random`` would make a network fault change the training run's Python RNG stream (and so a resume
+    # that is no longer bit-identical). Seeded from the OS so that processes retrying together do not
+    # draw identical waits.
+    _rng: random.Random = field(default_factory=lambda: random.Random(int.from_bytes(os.urandom(16), "big")),
+                                init=False, repr=False, compare=False)
 
     @classmethod
     def from_env(cls) -> RetryPolicy:
@@ -41,7 +47,7 @@ class RetryPolicy:
                    base_s=float(os.environ.get("RESUMABLE_RETRY_BASE_S", cls.base_s)))
 
     def delay(self, attempt: int) -> float:
-        return random.uniform(0.0, min(self.max_s, self.base_s * 2 ** attempt))
+        return self._rng.uniform(0.0, min(self.max_s, self.base_s * 2 ** attempt))
 
     def call(self, action: Callable[[], T], classify: Callable[[BaseException], StorageError | None],
              what: str) -> T:

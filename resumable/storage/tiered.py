@@ -23,7 +23,7 @@ from ..checkpoint import CheckpointManager
 from ..checkpoint import format as fmt
 from ..reporting.history import SESSIONS
 from ..reporting.tensorboard import TENSORBOARD_DIR
-from .base import RemoteFile, RemoteStore
+from .base import RemoteFile, RemoteStore, run_of, same_run
 from .retry import MissingFile, StorageError
 
 METRICS = "metrics.jsonl"
@@ -71,43 +71,96 @@ def remote_manifest(remote: RemoteStore, folder: str, scratch: Path) -> dict | N
     return manifest
 
 
+def _created(manifest: dict | None) -> float:
+    value = (manifest or {}).get("created_unix")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def remote_checkpoints(remote: RemoteStore, scratch: Path) -> list[tuple[int, str, dict | None]]:
+    """(step, folder, manifest or None when not durable) of every remote checkpoint folder, oldest first."""
+    found = []
+    for folder in remote.list_checkpoints():
+        step = fmt.parse_step_dir(folder)
+        if step is not None:
+            found.append((step, folder, remote_manifest(remote, folder, scratch)))
+    return sorted(found, key=lambda item: item[0])
+
+
 def describe_remote(remote: RemoteStore, scratch: Path) -> list[dict]:
     """One entry per remote checkpoint folder, oldest first, saying whether it is durable."""
     entries = []
-    for folder in remote.list_checkpoints():
-        step = fmt.parse_step_dir(folder)
-        if step is None:
-            continue
-        manifest = remote_manifest(remote, folder, scratch)
+    for step, folder, manifest in remote_checkpoints(remote, scratch):
         entries.append({"step": step, "epoch": (manifest or {}).get("epoch"), "durable": manifest is not None,
                         "valid": manifest is not None,
                         "reason": None if manifest else "incomplete upload (no manifest, or files missing)",
-                        "fingerprint": (manifest or {}).get("fingerprint"), "path": f"{remote.description}/{folder}",
-                        "created": (manifest or {}).get("created_unix"),
+                        "fingerprint": (manifest or {}).get("fingerprint"),
+                        "path": f"{remote.description}/{folder}",
+                        "created": (manifest or {}).get("created_unix"), "run_id": run_of(manifest),
                         "test_acc": ((manifest or {}).get("metrics") or {}).get("test_acc")})
-    return sorted(entries, key=lambda e: e["step"])
+    return entries
 
 
-def durable_steps(remote: RemoteStore, scratch: Path) -> list[int]:
-    """Steps whose checkpoint is complete on the remote, oldest first."""
-    return [entry["step"] for entry in describe_remote(remote, scratch) if entry["durable"]]
+def durable_steps(remote: RemoteStore, scratch: Path, run_id: str | None = None) -> list[int]:
+    """Steps whose checkpoint is complete on the remote, oldest first; with ``run_id``, only those that may
+    belong to that run (same or unknown run id)."""
+    return [entry["step"] for entry in describe_remote(remote, scratch)
+            if entry["durable"] and same_run(entry["run_id"], run_id)]
+
+
+def _drop_stale_cache(local: CheckpointManager, run_dir: Path, run: str | None, newest: tuple[int, dict],
+                      description: str, say: Callable[[str], None]) -> bool:
+    """Remove the local checkpoints and logs of runs other than ``run`` (the remote's), unless they are newer
+    than the remote's ``newest`` (step, manifest). Returns False when the cache holds the newer run."""
+    others = [info for info in local.inspect(deep=False)
+              if info.manifest is not None and not same_run(run_of(info.manifest), run)]
+    if not others:
+        return True
+    ids = ", ".join(sorted({str(run_of(info.manifest)) for info in others}))
+    if max(_created(info.manifest) for info in others) > _created(newest[1]):
+        # A run started here after the remote's (--fresh --overwrite) whose first upload never finished:
+        # it is the user's newest work, and the remote's folders are leftovers.
+        say(f"warning: the local cache {local.root} holds run {ids} (up to step {others[-1].step}), newer than "
+            f"run {run} on {description} (step {newest[0]}); keeping the cache and bringing nothing back")
+        return False
+    say(f"the local cache {local.root} holds run {ids} up to step {others[-1].step}, but {description} holds "
+        f"run {run} (newest step {newest[0]}): removing the stale cache and resuming run {run}")
+    for info in others:
+        local.delete(info.path)
+    # Its logs are that run's too (like --fresh --overwrite): the remote's are brought back with the checkpoint.
+    for log in (METRICS, SESSIONS):
+        (run_dir / log).unlink(missing_ok=True)
+    shutil.rmtree(run_dir / TENSORBOARD_DIR, ignore_errors=True)
+    return True
 
 
 def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
                    say: Callable[[str], None]) -> int | None:
-    """If the remote holds a checkpoint newer than every valid local one, download it (payload first,
-    sha256-verified, manifest last) with the run's metrics. Returns the step brought back, if any."""
+    """Bring the remote's newest durable checkpoint into the local cache when it is newer than every valid local
+    one: payload first, sha256-verified, manifest last, with the run's logs. Returns the step brought back.
+
+    The remote decides which run this is: the run of its most recently created durable checkpoint. Local
+    checkpoints of another run are a stale cache (a newer run was started elsewhere with --fresh --overwrite):
+    they are removed, and the remote's checkpoint is brought back even if its step is lower.
+    """
+    local.root.mkdir(parents=True, exist_ok=True)
+    found = remote_checkpoints(remote, local.root)
+    durable = [(step, folder, manifest) for step, folder, manifest in found if manifest is not None]
+    if not durable:
+        return None
+    # By creation time, not step: a folder of an older run left behind (a failed delete) may have a higher step.
+    _, _, current = max(durable, key=lambda item: (_created(item[2]), item[0]))
+    run = run_of(current)
+    ours = [item for item in durable if same_run(run_of(item[2]), run)]
+    if not _drop_stale_cache(local, run_dir, run, (ours[-1][0], ours[-1][2]), remote.description, say):
+        return None
     latest_local, _ = local.latest_valid()
     floor = latest_local.step if latest_local else -1
-    local.root.mkdir(parents=True, exist_ok=True)
-    for folder in sorted(remote.list_checkpoints(), key=lambda n: fmt.parse_step_dir(n) or -1, reverse=True):
-        step = fmt.parse_step_dir(folder)
-        if step is None or step <= floor:
-            continue
-        manifest = remote_manifest(remote, folder, local.root)
-        if manifest is None:
+    for step, folder, manifest in found:
+        if manifest is None and step > floor:
             say(f"warning: skipping remote {folder} on {remote.description}: incomplete upload")
-            continue
+    for step, folder, manifest in reversed(ours):
+        if step <= floor:
+            break
         target = local.root / folder
         target.mkdir(exist_ok=True)
         (target / fmt.MANIFEST).unlink(missing_ok=True)
@@ -133,22 +186,40 @@ def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
     return None
 
 
+class _Closed(Exception):
+    """Raised on the mirror's thread at its next remote call after close(): the thread stops there."""
+
+
 class Mirror:
     """Keeps ``remote`` in step with the local retention set, on one background thread.
 
     ``submit(step)`` is called after each local commit. The thread then uploads every locally kept
     checkpoint that is not yet durable remotely, newest first (the most recent progress becomes durable
-    soonest), and deletes remote checkpoints that local retention dropped. ``flush(timeout)`` waits at
-    exit.
+    soonest), and deletes remote checkpoints that local retention dropped — but only those older than a
+    checkpoint that has been durable for ``remote.prune_grace_s`` (a mount uploads from its cache later), and
+    never one of another run than ``run_id``. ``flush(timeout)`` waits at exit; ``close()`` stops it.
+
+    >>> mirror = Mirror(manager, remote, run_dir, print, run_id=run_id)  # doctest: +SKIP
     """
 
     def __init__(self, local: CheckpointManager, remote: RemoteStore, run_dir: Path,
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], run_id: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.local = local
         self.remote = remote
         self.run_dir = run_dir
         self.say = say
-        self.durable: set[int] = set(durable_steps(remote, local.root)) if local.root.is_dir() else set()
+        self.run_id = run_id  # None: unknown, every remote checkpoint may be this run's (older manifests)
+        self.clock = clock
+        self.durable: set[int] = set()
+        self._runs: dict[int, str | None] = {}  # run id of each remote step read or uploaded
+        if local.root.is_dir():
+            for step, _folder, manifest in remote_checkpoints(remote, local.root):
+                self._runs[step] = run_of(manifest)
+                if manifest is not None and same_run(run_of(manifest), run_id):
+                    self.durable.add(step)
+        # Found on the remote: how long ago it became durable is unknown, so it counts from now.
+        self._durable_at: dict[int, float] = dict.fromkeys(self.durable, clock())
         self.errors: list[str] = []
         self._log_sizes: dict[tuple[str, str], int] = {}  # what this process uploaded of each log
         self.bytes = 0
@@ -156,13 +227,21 @@ class Mirror:
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
+        # Makes "request a pass" and "the pass found no new request, so idle" atomic to each other: a request
+        # landing between the thread's check and its idle.set() would let flush() return before its pass.
+        self._signal = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="resumable-mirror", daemon=True)
         self._thread.start()
 
     def submit(self, step: int) -> None:
-        self._idle.clear()
-        self._wake.set()
+        """Called after the local commit of ``step``: the thread uploads every pending step, then prunes."""
+        self._request()
+
+    def _request(self) -> None:
+        with self._signal:
+            self._idle.clear()
+            self._wake.set()
 
     def _kept(self) -> list[int]:
         return [info.step for info in self.local.inspect(deep=False) if info.valid]
@@ -170,27 +249,43 @@ class Mirror:
     def pending(self) -> list[int]:
         return sorted(set(self._kept()) - self.durable)
 
+    def _check_open(self) -> None:
+        """Called before every remote call that starts an upload or a deletion: after close() (the run may
+        have released its Drive lease) this process must not change the remote any more."""
+        if self._closed:
+            raise _Closed
+
     def _run(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._closed:
-                return
-            for step in reversed(self.pending()):
-                try:
-                    self._upload(step)
-                except StorageError as e:
-                    self.errors.append(f"step {step}: {e}")
-                    self.say(f"warning: mirroring step {step} to {self.remote.description} failed: {e}")
-                    break
-                except (OSError, fmt.InvalidCheckpoint):
-                    continue  # pruned locally meanwhile: nothing to mirror
+        try:
+            while True:
+                self._wake.wait()
+                self._wake.clear()
+                self._check_open()
+                self._pass()
+                with self._signal:
+                    if not self._wake.is_set():
+                        self._idle.set()
+        except _Closed:
+            return
+        finally:
+            self._idle.set()  # flush() never waits on a thread that has stopped
+
+    def _pass(self) -> None:
+        for step in reversed(self.pending()):
+            self._check_open()
             try:
-                self._prune()
+                self._upload(step)
             except StorageError as e:
-                self.errors.append(f"pruning: {e}")
-            if not self._wake.is_set():
-                self._idle.set()
+                self.errors.append(f"step {step}: {e}")
+                self.say(f"warning: mirroring step {step} to {self.remote.description} failed: {e}")
+                break
+            except (OSError, fmt.InvalidCheckpoint):
+                continue  # pruned locally meanwhile: nothing to mirror
+        self._check_open()
+        try:
+            self._prune()
+        except StorageError as e:
+            self.errors.append(f"pruning: {e}")
 
     def _upload(self, step: int) -> None:
         started = time.monotonic()
@@ -199,6 +294,7 @@ class Mirror:
         manifest = fmt.read_manifest(source)
         for name in sorted(manifest["files"]):
             path = source / name
+            self._check_open()
             got = self.remote.put_file(folder, name, path)
             self._verify(name, path, got)
             self.bytes += got.size
@@ -206,7 +302,10 @@ class Mirror:
         # back (metrics) or purged (TensorBoard) on resume. The sessions log is the run's history.
         for log_folder, path in run_logs(self.run_dir):
             self._put_log(log_folder, path)
+        self._check_open()
         self.remote.put_file(folder, fmt.MANIFEST, source / fmt.MANIFEST)  # last: now it exists remotely
+        self._runs[step] = run_of(manifest)
+        self._durable_at[step] = self.clock()  # on a mount: in its cache now, uploaded by Google later
         self.durable.add(step)
         self.upload_s += time.monotonic() - started
 
@@ -220,6 +319,7 @@ class Mirror:
         os.close(handle)
         try:
             shutil.copyfile(path, snapshot)
+            self._check_open()
             self.remote.put_file(folder, path.name, Path(snapshot))
             self._log_sizes[key] = os.path.getsize(snapshot)
         finally:
@@ -234,21 +334,55 @@ class Mirror:
             raise StorageError(f"{name}: remote md5 {got.md5} does not match the local file")
 
     def _prune(self) -> None:
+        """Delete remote checkpoints that local retention dropped, once a newer one has settled.
+
+        Settled: durable for at least ``remote.prune_grace_s``. Only checkpoints older than the newest settled
+        one go, so one that has had time to upload always stays, and with no grace (the Drive API) this is
+        "older than the newest durable one". Runs after every pass: later submits and flush() retry it.
+        """
         if not self.durable:
             return
+        grace = float(getattr(self.remote, "prune_grace_s", 0.0))
+        now = self.clock()
+        settled = [step for step in self.durable if now - self._durable_at.get(step, now) >= grace]
+        if not settled:
+            return
+        anchor = max(settled)
         keep = set(self._kept())
-        newest = max(self.durable)
         for folder in self.remote.list_checkpoints():
             step = fmt.parse_step_dir(folder)
-            if step is not None and step < newest and step not in keep:
-                self.remote.delete_folder(folder)
-                self.durable.discard(step)
+            if step is None or step >= anchor or step in keep or not self._ours(step, folder):
+                continue
+            self._check_open()
+            self.remote.delete_folder(folder)
+            self.durable.discard(step)
+            self._durable_at.pop(step, None)
+            self._runs.pop(step, None)
+
+    def _ours(self, step: int, folder: str) -> bool:
+        """Whether the remote folder may belong to this run; one of another run is never deleted."""
+        if self.run_id is None:
+            return True
+        if step not in self._runs:  # appeared after this mirror looked (or was pruned and re-made)
+            self._check_open()
+            self._runs[step] = run_of(remote_manifest(self.remote, folder, self.local.root))
+        return same_run(self._runs[step], self.run_id)
 
     def flush(self, timeout: float) -> list[int]:
-        """Wait up to ``timeout`` s for uploads; returns the kept steps still not durable remotely."""
+        """Upload what is pending and prune (a grace that has run out since the last submit ends now); wait up
+        to ``timeout`` s. Returns the kept steps still not durable remotely."""
+        if not self._closed:
+            self._request()
         self._idle.wait(timeout)
         return self.pending()
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop mirroring: from now on the thread starts no upload, prune or deletion (what is pending stays
+        local; call flush first to wait for it). A remote call already in progress finishes; this waits up
+        to ``timeout`` s (None: for as long as it takes) and returns whether the thread has stopped, so a
+        caller releases the Drive lease only once nothing can touch the remote any more."""
         self._closed = True
         self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
