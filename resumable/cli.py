@@ -130,22 +130,18 @@ def train_command(ctx: click.Context, mode: str | None, overwrite: bool, **optio
     except ValueError as e:
         raise click.UsageError(str(e)) from e
 
-    from .checkpoint.writer import SaveFailed  # heavy imports after cheap validation
-    from .errors import ResumableError
-    from .tasks.mnist import DataUnavailable
+    from .errors import EXIT_INTERRUPTED, ResumableError  # heavy imports after cheap validation
     from .tasks.train_mnist import train
 
     try:
         code = train(explicit, mode=mode or "auto", overwrite=overwrite).exit_code
-    except (ResumableError, DataUnavailable) as e:
-        _fail(str(e))
-    except SaveFailed as e:
+    except ResumableError as e:  # the one place errors become exit codes (2: bad input, 75: run again)
         click.echo(f"error: {e}", err=True)
-        sys.exit(1)
+        sys.exit(e.exit_code)
     except KeyboardInterrupt:
         click.echo("interrupted; the newest committed checkpoint is intact — run the same command to "
                    "continue", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     sys.exit(code)
 
 
@@ -212,9 +208,15 @@ def _clock(unix: float | None) -> str:
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--target", default="resumable-train", show_default=True, metavar="TARGET",
+              help="What to run: resumable-train; MODULE:FUNCTION or FILE.py:FUNCTION (called with the "
+                   "argument list); FILE.py (run like `python FILE.py ARGS`); or command (ARGS is a whole "
+                   "command line, e.g. torchrun ...). Except for resumable-train, write {run_dir} in ARGS "
+                   "where the run dir goes.")
 @click.option("--kills", type=click.IntRange(min=0), default=5, show_default=True, help="How many times to kill.")
 @click.option("--signal", "signal_mode", type=click.Choice(("KILL", "TERM", "INT", "mix")), default="KILL",
-              show_default=True, help="Signal to kill with; mix picks one at random each time.")
+              show_default=True, help="Signal to kill with; mix picks one at random each time. SIGKILL takes "
+                                      "every process the run started too.")
 @click.option("--seed", type=click.IntRange(min=0), default=None, help="Seed of the kill timing (printed).")
 @click.option("--every", type=Duration(), default="5s", show_default=True,
               help="Mean training time of a session before its kill, counted from its first step.")
@@ -225,34 +227,47 @@ def _clock(unix: float | None) -> str:
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Where the scratch run dirs go (default: a new temporary folder, kept).")
 @click.option("--warm", is_flag=True,
-              help="Restart through a fork server that imported torch once, so a restart costs what the "
-                   "engine spends (restore, data load) and not the ~2 s of interpreter start a fresh VM pays.")
+              help="Restart through a fork server that imported torch (and a Python target) once, so a restart "
+                   "costs what the engine spends (restore, data load) and not the ~2 s of interpreter start a "
+                   "fresh VM pays. Not for --target command.")
 @click.option("--parallel-reference", is_flag=True,
               help="Run the uninterrupted reference at the same time (halves a long soak; give each run "
                    "its own cores, e.g. OMP_NUM_THREADS=1 on two).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--break-rng-restore", is_flag=True, hidden=True,
               help="Skip restoring RNG states on resume (proves the harness detects divergence).")
-@click.argument("train_args", nargs=-1, type=click.UNPROCESSED)
-def chaos(kills: int, signal_mode: str, seed: int | None, every: str, mid_save_every: int, reference: str | None,
-          workdir: str | None, warm: bool, parallel_reference: bool, as_json: bool, break_rng_restore: bool,
-          train_args: tuple[str, ...]) -> None:
-    """Kill `resumable-train TRAIN_ARGS` at random moments, restart it until it completes, and compare the
-    result with an uninterrupted run. Exit 0 if IDENTICAL, 1 if DIVERGED.
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def chaos(target: str, kills: int, signal_mode: str, seed: int | None, every: str, mid_save_every: int,
+          reference: str | None, workdir: str | None, warm: bool, parallel_reference: bool, as_json: bool,
+          break_rng_restore: bool, args: tuple[str, ...]) -> None:
+    """Kill a training run (`resumable-train ARGS` unless --target says otherwise) at random moments,
+    restart it until it completes, and compare the result with an uninterrupted run: the newest valid
+    checkpoint's fingerprint and the metrics.jsonl records. Exit 0 if IDENTICAL, 1 if DIVERGED.
 
-    Example: resumable chaos --kills 5 -- --data-dir ../shared/data/mnist-mini --max-steps 300
+    \b
+    Examples:
+      resumable chaos --kills 5 -- --data-dir ../shared/data/mnist-mini --max-steps 300
+      resumable chaos --target scripts/own_model_example.py:main --warm -- --run-dir {run_dir} --max-steps 40
+      resumable chaos --target command -- torchrun --nproc-per-node 2 train.py --run-dir {run_dir}
     """
-    from .tools.chaos import Chaos, format_report, report_json
+    from .faults import Faults
+    from .tools.chaos import Chaos, Target, format_report, report_json
 
-    if "--run-dir" in train_args:
-        raise click.UsageError("chaos chooses the run dirs itself; leave --run-dir out of the training options")
+    try:
+        chosen = Target.parse(target, args)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    if warm and chosen.kind == "command":
+        raise click.UsageError("--warm forks a Python process that imported torch once; a command target starts "
+                               "afresh each time. For warm restarts of a Python script, name it: --target "
+                               "FILE.py (or FILE.py:FUNCTION, MODULE:FUNCTION)")
     seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="resumable-chaos-"))
     echo = (lambda message: click.echo(message, err=True)) if as_json else click.echo
-    echo(f"chaos: seed {seed}, {kills} kill(s) with SIG{signal_mode}, {'warm' if warm else 'cold'} restarts, "
-         f"scratch dirs in {work}")
-    runner = Chaos(list(train_args), work, kills, signal_mode, seed, parse_duration(every), mid_save_every,
-                   {"RESUMABLE_TEST_SKIP_RNG_RESTORE": "1"} if break_rng_restore else None, echo=echo,
+    echo(f"chaos: {target}, seed {seed}, {kills} kill(s) with SIG{signal_mode}, {'warm' if warm else 'cold'} "
+         f"restarts, scratch dirs in {work}")
+    runner = Chaos(chosen, work, kills, signal_mode, seed, parse_duration(every), mid_save_every,
+                   Faults(skip_rng_restore=True).to_env() if break_rng_restore else None, echo=echo,
                    warm=warm, parallel_reference=parallel_reference)
     try:
         report = runner.run(Path(reference) if reference else None)
@@ -294,9 +309,11 @@ def verify(run_dir: str) -> None:
 
 def _register_commands() -> None:
     from .tools.export import export_command
+    from .tools.launch import launch_command
     from .tools.plot import plot_command
 
     main.add_command(export_command)
+    main.add_command(launch_command)
     main.add_command(plot_command)
 
 

@@ -1,21 +1,33 @@
-"""User-facing errors. Each message names the cause and the fix; the CLI turns them into exit code 2."""
+"""The exceptions resumable raises on purpose, each with the exit code the command line maps it to.
+
+Every message names the cause and the fix. The CLI maps them once (``except ResumableError as e:
+sys.exit(e.exit_code)``); nothing else turns an error into an exit code.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+EXIT_USAGE = 2  # bad input or a run dir that cannot be used as asked; nothing was changed
+EXIT_RESUME = 75  # EX_TEMPFAIL: stopped early with the newest committed checkpoint intact; run again
+EXIT_INTERRUPTED = 130  # a second Ctrl-C
+
 
 class ResumableError(Exception):
-    """A problem the user can fix by changing how the run is started."""
+    """A problem the user can fix by changing how the run is started (exit 2)."""
+
+    exit_code = EXIT_USAGE
 
 
 class ConfigMismatch(ResumableError):
-    def __init__(self, field: str, old: Any, new: Any, run_dir: str) -> None:
+    def __init__(self, field: str, old: Any, new: Any, run_dir: str, api: bool = False) -> None:
         self.field, self.old, self.new = field, old, new
-        super().__init__(
-            f"{field} differs from the checkpoint in {run_dir}: checkpoint {old!r}, now {new!r}. Resuming "
-            f"needs the same value (omit the option to reuse the checkpoint's), or start over with "
-            f"--fresh --overwrite, or use another --run-dir.")
+        advice = ("build the Run with the checkpoint's value, or start a new run dir (or resume='never', "
+                  "overwrite=True to discard it)" if api else
+                  "omit the option to reuse the checkpoint's, or start over with --fresh --overwrite, or use "
+                  "another --run-dir")
+        super().__init__(f"{field} differs from the checkpoint in {run_dir}: checkpoint {old!r}, now {new!r}. "
+                         f"Resuming needs the same value: {advice}.")
 
 
 class NothingToResume(ResumableError):
@@ -24,3 +36,20 @@ class NothingToResume(ResumableError):
 
 class RunDirInUse(ResumableError):
     pass
+
+
+class StateNotLoadable(ResumableError):
+    """An object's state would commit but could never be loaded back safely (weights_only)."""
+
+
+class SaveFailed(ResumableError):
+    """A checkpoint save failed; the previous committed checkpoint is still the newest valid one (exit 75:
+    fix the cause and run again to continue from it)."""
+
+    exit_code = EXIT_RESUME
+
+
+class LockLost(ResumableError):
+    """Another process took this run dir's lock or lease over; this one stopped without writing more."""
+
+    exit_code = EXIT_RESUME

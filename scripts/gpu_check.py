@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from resumable.engine.state import capture_rng, restore_rng
+from resumable.faults import Faults
 from resumable.reporting.metrics import read_records, without_timing
 
 TRAIN = [sys.executable, "-c", "from resumable.cli import train_command; train_command()"]
@@ -67,7 +68,7 @@ def check_amp_resume(data: str, amp: str, root: Path) -> None:
         return ckpts.is_dir() and any(d.is_dir() and (d / "state.pt").exists() and not (d / "manifest.json").exists()
                                       for d in ckpts.iterdir())
 
-    _run_until(killed, args, saving, {"RESUMABLE_TEST_SAVE_DELAY": "2"})
+    _run_until(killed, args, saving, Faults(save_delay_s=2).to_env())
     _run_until(killed, args, lambda: _max_step(killed) >= 170, {})
     subprocess.run(TRAIN + ["--run-dir", str(killed), *args], check=True, stderr=subprocess.DEVNULL)
     same_fp = _fingerprint(straight) == _fingerprint(killed)

@@ -12,25 +12,26 @@ from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.checkpoint.snapshot import Snapshotter
 from resumable.checkpoint.writer import CheckpointWriter, SaveFailed
 from resumable.cli import train_command
-from resumable.engine.checkpointer import Session
+from resumable.engine.checkpointer import Checkpointer
 from resumable.engine.state import TrainState
+from resumable.faults import NO_FAULTS, Faults
 
 
-def _session(root: Path, asynchronous: bool = True):
+def _session(root: Path, asynchronous: bool = True, faults: Faults = NO_FAULTS):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 8)).sum().backward()
     optimizer.step()
-    session = Session(CheckpointManager(root), {"model": model, "optimizer": optimizer}, TrainState(),
-                      meta={}, writer=CheckpointWriter(asynchronous=asynchronous))
+    session = Checkpointer(CheckpointManager(root, faults=faults), {"model": model, "optimizer": optimizer},
+                           TrainState(), meta={}, writer=CheckpointWriter(asynchronous=asynchronous))
     return session, model, optimizer
 
 
 def test_checkpoint_holds_values_from_when_save_returned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The bug of pytorch#144657: CPU tensors saved by reference change if training goes on."""
-    monkeypatch.setenv("RESUMABLE_TEST_SAVE_DELAY", "0.5")  # the write happens well after save() returns
-    session, model, optimizer = _session(tmp_path)
+    # the write happens well after save() returns
+    session, model, optimizer = _session(tmp_path, faults=Faults(save_delay_s=0.5))
     expected_model = {k: v.clone() for k, v in model.state_dict().items()}
     expected_avg = optimizer.state[model[0].weight]["exp_avg"].clone()
     session.save("test")

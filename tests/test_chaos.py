@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pytest
 from helpers import run
 
+OWN_MODEL = Path(__file__).resolve().parents[1] / "scripts" / "own_model_example.py"
+# A few seconds of training on a small CPU: 150 steps of a tiny CNN, a checkpoint every 5.
+OWN = ["--run-dir", "{run_dir}", "--epochs", "5", "--max-steps", "150", "--checkpoint-steps", "5", "--log-every", "1"]
 TRAIN = ["--max-steps", "120", "--batch-size", "64", "--checkpoint-steps", "10", "--log-every", "1", "--no-download"]
 
 
@@ -41,10 +50,6 @@ def test_chaos_detects_a_broken_engine(mnist_dir: Path, tmp_path: Path) -> None:
 
 
 def test_fork_server_children_are_real_processes(mnist_dir: Path, tmp_path: Path) -> None:
-    import os
-    import signal
-    import time
-
     from resumable.tools.forkserver import ForkServer
 
     server = ForkServer()
@@ -76,3 +81,97 @@ def test_report_says_when_the_run_finished_before_all_kills() -> None:
     assert "the run finished after 2 of the 3 kills asked for" in text
     assert text.splitlines()[-1] == "IDENTICAL" and "goodput 90.0%" in text
     assert "finished after" not in format_report(ChaosReport("IDENTICAL", None, kills, 10.0, 9.0, kills_planned=2))
+
+
+def _own_model_chaos(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
+    return run(["chaos", "--kills", "2", "--signal", "mix", "--seed", "11", "--every", "0.4s", "--workdir",
+                str(tmp_path), "--json", *options], name="resumable", timeout=300)
+
+
+def test_chaos_drives_an_own_model_script_as_a_command(tmp_path: Path) -> None:
+    # Cold restarts of a plain command line: `python scripts/own_model_example.py --run-dir {run_dir} ...`.
+    result = _own_model_chaos(tmp_path, "--target", "command", "--", sys.executable, str(OWN_MODEL), *OWN)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["verdict"] == "IDENTICAL" and report["difference"] is None
+    # Both kills land unless the machine trains 150 steps in well under a second; the first is inside a write.
+    assert 1 <= len(report["kills"]) <= 2 and report["kills"][0]["mid_save"]
+    assert report["kills"][0]["resumed_from"] is not None and report["unloadable_checkpoints"] == 0
+    assert report["fingerprint"] == report["reference_fingerprint"] is not None
+    assert (tmp_path / "chaos" / "checkpoints").is_dir() and (tmp_path / "reference" / "metrics.jsonl").is_file()
+
+
+def test_chaos_warm_restarts_a_function_target(tmp_path: Path) -> None:
+    # FILE.py:FUNCTION: the fork server imports the script once and calls main(argv) in each forked child.
+    result = _own_model_chaos(tmp_path, "--target", f"{OWN_MODEL}:main", "--warm", "--", *OWN)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["verdict"] == "IDENTICAL", report["difference"]
+    assert 1 <= len(report["kills"]) <= 2 and report["kills"][0]["mid_save"]
+    assert all(k["restart_to_first_step_s"] is not None for k in report["kills"])
+
+
+def test_chaos_detects_a_broken_engine_under_a_function_target(tmp_path: Path) -> None:
+    # The fault reaches a user's resumable.Run through RESUMABLE_FAULTS, as it reaches resumable-train.
+    result = run(["chaos", "--kills", "2", "--seed", "4", "--every", "0.5s", "--mid-save-every", "0",
+                  "--break-rng-restore", "--warm", "--target", f"{OWN_MODEL}:main", "--workdir", str(tmp_path),
+                  "--", *OWN], name="resumable", timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "DIVERGED" in result.stdout
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--target", "command", "--warm", "--", "python", "train.py", "--run-dir", "{run_dir}"], "--warm forks"),
+    (["--target", "mypkg.train:main", "--", "--epochs", "2"], "write {run_dir} in its arguments"),
+    (["--target", "command", "--", "python", "train.py"], "write {run_dir} in its arguments"),
+    (["--target", "command"], "--target command runs what follows --"),
+    (["--target", "no/such/file.py:main", "--", "--run-dir", "{run_dir}"], "there is no file"),
+    (["--target", "mypkg.train", "--", "--run-dir", "{run_dir}"], "is not one of resumable-train"),
+    (["--target", "mypkg:not-a-name", "--", "--run-dir", "{run_dir}"], "is not a function name"),
+])
+def test_chaos_refuses_a_target_it_cannot_run(options: list[str], message: str, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from resumable.cli import main
+
+    result = CliRunner().invoke(main, ["chaos", "--workdir", str(tmp_path), *options])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_fork_server_calls_a_function_target_with_the_argument_list(tmp_path: Path) -> None:
+    from resumable.tools.forkserver import ForkServer
+
+    script = tmp_path / "my_train.py"
+    script.write_text("import sys\n\n"
+                      "def main(argv):\n"
+                      "    print('argv', argv, sys.argv[0], file=sys.stderr)\n"
+                      "    return int(argv[0])\n")
+    server = ForkServer(f"{script}:main")
+    try:
+        child = server.spawn(["3", "--run-dir", "x"], dict(os.environ))
+        assert child.wait() == 3
+        assert f"argv ['3', '--run-dir', 'x'] {script}" in child.stderr.read()
+    finally:
+        server.close()
+    with pytest.raises(RuntimeError, match="cannot load --target no_such_module_here:main"):
+        ForkServer("no_such_module_here:main")
+
+
+def test_a_sigkill_takes_every_process_of_the_session(tmp_path: Path) -> None:
+    # torchrun puts its workers in sessions of their own; a VM going away kills them all the same.
+    from resumable.tools.chaos import SESSION_ENV, Chaos, _session_pids
+
+    tag = f"test.{os.getpid()}"
+    code = ("import subprocess, sys, time; "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+            "time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, SESSION_ENV: tag})
+    deadline = time.monotonic() + 30
+    while len(_session_pids(tag)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(_session_pids(tag)) == 2
+    Chaos._kill(proc, tag)
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+    while _session_pids(tag) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _session_pids(tag) == []

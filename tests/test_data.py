@@ -91,3 +91,61 @@ def test_model_shape_and_log_probs() -> None:
     assert out.shape == (3, 10)
     assert torch.allclose(out.exp().sum(1), torch.ones(3), atol=1e-5)
     assert sum(p.numel() for p in model.parameters()) == 1_199_882
+
+
+def test_ddp_ranks_fetch_with_different_augmentation_seeds_and_rank_0_keeps_the_single_process_ones() -> None:
+    from resumable.engine.data import EpochBatchSampler, batch_seed
+    from resumable.engine.sampler import ResumableSampler, epoch_seed
+
+    def seeds(rank: int, world: int) -> list[int]:
+        sampler = ResumableSampler(1000, 10, seed=7, rank=rank, world_size=world)
+        return [batch.seed for batch in EpochBatchSampler(sampler, epoch=2, start=0)]
+
+    rank0, rank1 = seeds(0, 2), seeds(1, 2)
+    assert all(a != b for a, b in zip(rank0, rank1, strict=True)), "every rank would draw the same augmentations"
+    assert len(set(rank0) | set(rank1)) == len(rank0) + len(rank1)
+    # Rank 0 (and a single process) keep the seeds of before, so no single-process run changes.
+    assert rank0 == [epoch_seed(epoch_seed(7, 2), k) for k in range(len(rank0))]
+    assert seeds(0, 1)[:3] == rank0[:3] == [batch_seed(7, 2, k) for k in range(3)]
+
+
+class _Augmented(torch.utils.data.Dataset):
+    """Each item is a random draw: a stand-in for a random augmentation."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.rand(2)
+
+
+def test_fetching_in_the_training_process_leaves_cuda_seeding_and_the_cpu_stream_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.manual_seed reseeds every CUDA generator for good, and with CUDA not yet initialised it queues a
+    # manual_seed_all that lands when CUDA starts: a batch fetch would then decide the GPU's dropout masks.
+    from resumable.engine.data import LoaderBatches
+    from resumable.engine.sampler import ResumableSampler
+
+    calls: list[int] = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: calls.append(seed))
+    tracker = getattr(torch.cuda, "_lazy_seed_tracker", None)
+    queued_before = (list(torch.cuda._queued_calls), tracker.get_calls() if tracker is not None else None)
+    sampler = ResumableSampler(12, 4, seed=3)
+
+    def fetch_epoch() -> list[torch.Tensor]:
+        source = LoaderBatches(_Augmented(), num_workers=0)
+        fetch = source.epoch(sampler, 0, 0)
+        return [fetch(None) for _ in range(sampler.batches_per_epoch)]
+
+    torch.manual_seed(11)
+    calls.clear()
+    before = torch.get_rng_state()
+    first = fetch_epoch()
+    assert torch.equal(torch.get_rng_state(), before), "the global CPU stream came back untouched"
+    assert calls == [], "fetching seeded the CUDA generators"
+    tracker_after = tracker.get_calls() if tracker is not None else None
+    assert (list(torch.cuda._queued_calls), tracker_after) == queued_before, "a CUDA seed call was queued"
+    torch.rand(5)  # the training stream moves on; the augmentations of a batch do not depend on it
+    again = fetch_epoch()
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not torch.equal(first[0], first[1])

@@ -57,7 +57,7 @@ def test_failed_save_warns_and_training_goes_on(tiny_mnist: Path, tmp_path: Path
     fail_once(monkeypatch, fmt, target, code)
     result = invoke(tmp_path, tiny_mnist)
     assert result.exit_code == 0, result.output
-    assert "WARNING" in result.output and errno.errorcode[code] in result.output
+    assert "warning:" in result.output and errno.errorcode[code] in result.output
     assert "the newest valid checkpoint is still step 2" in result.output
     infos = CheckpointManager(checkpoints_dir(tmp_path)).inspect()
     assert infos[-1].valid and infos[-1].step == 18
@@ -107,7 +107,7 @@ def test_a_save_failing_after_the_last_step_decides_the_exit(tiny_mnist: Path, t
         assert latest.step == 2
     else:
         assert result.exit_code == 0, result.output
-        assert "WARNING" in result.output and latest.step == 5
+        assert "warning:" in result.output and latest.step == 5
 
 
 @pytest.mark.parametrize("policy", ["stop", "warn"])

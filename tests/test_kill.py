@@ -18,6 +18,7 @@ from helpers import command, env, final_fingerprint, records, run
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.checkpoint import format as fmt
+from resumable.faults import Faults
 from resumable.reporting.metrics import read_records
 
 MAX_STEPS = 160
@@ -57,7 +58,7 @@ def kill_and_resume(run_dir: Path, data: Path, seed: int, kills: int) -> list[di
     targets = sorted(rng.sample(range(5, MAX_STEPS - 5), kills - 1))
     log = []
     # Kill 1: inside a save. The test hook holds the save open between payload and manifest.
-    proc = _start(run_dir, data, RESUMABLE_TEST_SAVE_DELAY="2")
+    proc = _start(run_dir, data, **Faults(save_delay_s=2).to_env())
     assert _wait_for(proc, lambda: _save_in_progress(run_dir)), proc.communicate()[1]
     proc.send_signal(signal.SIGKILL)
     proc.wait()

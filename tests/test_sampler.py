@@ -45,3 +45,42 @@ def test_batch_out_of_range_and_state_mismatch() -> None:
     with pytest.raises(ValueError, match="batch_size"):
         s.load_state_dict({**s.state_dict(), "batch_size": 5})
     s.load_state_dict(s.state_dict())
+
+
+@pytest.mark.parametrize(("size", "batch", "world"), [(97, 8, 2), (130, 64, 2), (7, 2, 2), (1000, 64, 3), (9, 4, 2),
+                                                      (21, 5, 4), (3, 1, 2), (5, 4, 2)])
+def test_every_ddp_rank_gets_at_least_two_samples_in_every_step(size: int, batch: int, world: int) -> None:
+    # An empty batch gives a NaN loss and a 1-sample batch a BatchNorm error ("Expected more than 1 value per
+    # channel") on that rank: a short last step that would do so is not taken.
+    ranks = [ResumableSampler(size, batch, seed=1, rank=r, world_size=world) for r in range(world)]
+    floor = min(2, batch)
+    for epoch in (0, 1):
+        order = ranks[0].epoch_order(epoch)
+        taken = []
+        for k in range(ranks[0].batches_per_epoch):
+            parts = [s.batch(order, k) for s in ranks]
+            assert min(len(p) for p in parts) >= floor, (k, [len(p) for p in parts])
+            taken += [int(i) for p in parts for i in p]
+        assert len(taken) == len(set(taken)) and taken == order[:len(taken)].tolist()
+        assert size - len(taken) == ranks[0].dropped_per_epoch < min(2, batch) * world
+
+
+def test_a_dropped_short_step_is_announced_once_and_a_single_process_keeps_every_sample(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from resumable import log
+
+    warnings: list[str] = []
+    monkeypatch.setattr(log, "warning", lambda message, **_: warnings.append(message))
+    ddp = ResumableSampler(97, 8, seed=1, rank=0, world_size=2)
+    assert (ddp.batches_per_epoch, ddp.dropped_per_epoch) == (6, 1)
+    for epoch in range(3):
+        ddp.epoch_order(epoch)
+    single = ResumableSampler(97, 8, seed=1)
+    assert (single.batches_per_epoch, single.dropped_per_epoch) == (13, 0)
+    assert len(single.batch(single.epoch_order(0), 12)) == 1  # a single process keeps its 1-sample last batch
+    assert len(warnings) == 1 and "1 trailing sample(s) of each epoch" in warnings[0], warnings
+
+
+def test_a_dataset_too_small_for_the_ranks_is_refused() -> None:
+    with pytest.raises(ValueError, match="too few for 2 processes"):
+        ResumableSampler(3, 8, seed=0, world_size=2)

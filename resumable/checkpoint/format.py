@@ -162,7 +162,9 @@ def verify_files(directory: Path, manifest: dict[str, Any], deep: bool = True) -
 def load_payload(path: Path) -> Any:
     """Load a payload with ``weights_only=True``; anything needing arbitrary unpickling is refused."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        # mmap: the payload's pages are shared by every process that loads it (N DDP ranks hold one copy)
+        # and only the pages a tensor is copied from are read.
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpoint(f"{path} needs arbitrary unpickling to load and was refused for safety "
                                f"({str(e).splitlines()[0]})") from e

@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from ..faults import NO_FAULTS, Faults
 from . import format as fmt
 from .retention import Candidate, steps_to_prune
+from .state_format import StateFormat, TorchFile
 
 
 @dataclass
@@ -71,8 +73,10 @@ class CheckpointInfo:
 class CheckpointManager:
     """Checkpoints under ``root`` (``RUN_DIR/checkpoints``)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, state_format: StateFormat | None = None, faults: Faults = NO_FAULTS) -> None:
         self.root = Path(root)
+        self.state_format = state_format or TorchFile()
+        self.faults = faults
 
     # -- listing and validation -------------------------------------------------------------------
     def step_dirs(self) -> list[tuple[int, Path]]:
@@ -123,8 +127,8 @@ class CheckpointManager:
             # Re-saving a step (after falling back past a corrupt one): invalidate before rewriting.
             manifest_path.unlink()
             fmt.fsync_dir(directory)
-        files = {fmt.PAYLOAD: fmt.write_payload(directory, payload)}
-        _test_pause_before_commit()
+        files = self.state_format.write(directory, payload)
+        self.faults.before_commit()
         manifest = {
             **meta,
             "format": fmt.FORMAT_NAME,
@@ -141,10 +145,7 @@ class CheckpointManager:
         return CheckpointInfo(step, directory, manifest)
 
     def load(self, info: CheckpointInfo) -> dict[str, Any]:
-        payload = fmt.load_payload(info.path / fmt.PAYLOAD)
-        if not isinstance(payload, dict):
-            raise fmt.InvalidCheckpoint(f"{info.path} holds a {type(payload).__name__}, not a checkpoint")
-        return payload
+        return self.state_format.read(info.path, info.manifest or {})
 
     def cleanup_incomplete(self) -> list[Path]:
         """Remove temp files and step directories a killed save left without a manifest."""
@@ -185,14 +186,6 @@ class CheckpointManager:
     def delete_all(self) -> None:
         for _, path in reversed(self.step_dirs()):
             self.delete(path)
-
-
-def _test_pause_before_commit() -> None:
-    """Test hook: RESUMABLE_TEST_SAVE_DELAY=SECONDS widens the window between payload and manifest so
-    kill tests can land inside a save. Unset in normal use."""
-    delay = os.environ.get("RESUMABLE_TEST_SAVE_DELAY")
-    if delay:
-        time.sleep(float(delay))
 
 
 def describe_age(created: float | None) -> str:

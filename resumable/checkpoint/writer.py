@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..errors import SaveFailed
 
-class SaveFailed(RuntimeError):
-    """A checkpoint save failed; the previous committed checkpoint is still the newest valid one."""
+__all__ = ["CheckpointWriter", "SaveFailed", "SaveStats"]
 
 
 @dataclass

@@ -1,44 +1,87 @@
-"""Binds the stateful objects of a run to its checkpoints: what goes into one, and how it comes back."""
+"""Binds the stateful objects of a run to its checkpoints: what goes into one, and how it comes back.
+
+A checkpoint's payload holds every object's ``state_dict()``, the replicated :class:`TrainState`, the
+train/eval mode of every module, and one entry per DDP rank (``ranks``: that rank's RNG streams and per-rank
+counters), so DDP correctness does not depend on remembering which values differ between ranks.
+"""
 
 from __future__ import annotations
 
-import os
+import io
 import shutil
-import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from .. import log
 from ..checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, fingerprint
 from ..checkpoint.snapshot import Snapshotter
 from ..checkpoint.writer import CheckpointWriter
+from ..errors import ConfigMismatch, NothingToResume, ResumableError, StateNotLoadable
+from ..faults import NO_FAULTS, Faults
+from . import determinism
 from .distributed import Distributed
 from .state import Stateful, TrainState, capture_rng, restore_rng
 
-# Payload keys that are not user objects; RNG_RANKS holds every rank's RNG states under DDP.
-_TRAIN_STATE, _RNG, RNG_RANKS = "train_state", "rng", "rng_ranks"
+# Payload keys that are not user objects.
+_TRAIN_STATE, _RNG, _RANKS, _MODES = "train_state", "rng", "ranks", "module_modes"
+_OLD_RNG_RANKS = "rng_ranks"  # checkpoints before per-rank counters: every rank's RNG only
+_PLACEHOLDER = torch.zeros(0)
 
 
-class Session:
-    """Saves and restores ``objects`` (name → Stateful), the TrainState and every RNG stream.
+def _skeleton(obj: Any) -> Any:
+    """``obj`` with every tensor replaced by one tiny shared tensor: the structure, cheap to pickle."""
+    if isinstance(obj, torch.Tensor):
+        return _PLACEHOLDER
+    if isinstance(obj, dict):
+        return {k: _skeleton(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_skeleton(v) for v in obj]
+    return obj
 
-    ``meta`` is recorded in each manifest (config, dataset identity, computation fields) and is what a
-    later start compares against before resuming. With an asynchronous ``writer``, ``save`` copies the
-    state into host memory and returns; serialising, hashing, fsync, commit and pruning happen on the
-    writer's thread. ``before_commit`` runs on the writer's thread just before the checkpoint is written
-    (e.g. to make logs durable up to this step), ``after_commit(step)`` after it is committed and pruned
-    (e.g. to mirror it to Drive).
+
+def check_loadable(name: str, state: Any) -> None:
+    """Raise StateNotLoadable if ``state`` would commit but could never be loaded with weights_only."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(_skeleton(state), buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure here means the checkpoint could never be resumed
+        detail = " ".join(str(e).split())[:300]
+        raise StateNotLoadable(
+            f"the state of {name!r} cannot be loaded back safely (weights_only): {detail}. Return only tensors, "
+            f"numbers, strings, None and lists/dicts of them from its state_dict() (e.g. convert numpy values "
+            f"with .item() or torch.from_numpy)") from e
+
+
+def check_computation(saved: dict[str, Any], current: dict[str, Any], run_dir: str, api: bool) -> None:
+    for key in sorted(set(saved) | set(current)):
+        default = "none" if key == "amp" else None  # checkpoints from before --amp existed
+        if saved.get(key, default) != current.get(key, default):
+            raise ConfigMismatch(key, saved.get(key, default), current.get(key, default), run_dir, api=api)
+
+
+class Checkpointer:
+    """Saves and restores ``objects`` (name → Stateful), the TrainState, module modes and every RNG stream.
+
+    ``meta`` is recorded in each manifest (config, dataset identity, computation fields, run id). With an
+    asynchronous ``writer``, ``save`` copies the state into host memory and returns; serialising, hashing,
+    fsync, commit and pruning happen on the writer's thread. ``before_commit`` runs on the writer's thread just
+    before the checkpoint is written (e.g. to make logs durable up to this step), ``after_commit(step)`` after
+    it is committed and pruned (e.g. to mirror it to Drive).
     """
 
     def __init__(self, manager: CheckpointManager, objects: Mapping[str, Stateful | None],
                  state: TrainState, meta: dict[str, Any], keep: int = 3, keep_best: bool = True,
                  writer: CheckpointWriter | None = None,
                  before_commit: Callable[[], None] | None = None,
-                 after_commit: Callable[[int], None] | None = None, dist: Distributed | None = None) -> None:
+                 after_commit: Callable[[int], None] | None = None, dist: Distributed | None = None,
+                 faults: Faults = NO_FAULTS, modules: torch.nn.Module | None = None) -> None:
         if "model" not in objects or "optimizer" not in objects:
-            raise ValueError("a session needs at least 'model' and 'optimizer' objects")
+            raise ValueError("a checkpointer needs at least 'model' and 'optimizer' objects")
         self.manager = manager
         self.objects = dict(objects)
         self.state = state
@@ -49,17 +92,28 @@ class Session:
         self.before_commit = before_commit
         self.after_commit = after_commit
         self.dist = dist or Distributed()
+        self.faults = faults
+        self.modules = modules if modules is not None else objects.get("model")
         self._snapshotter = Snapshotter()
         self._last_size = 0
+        self._checked = False
         self.last_saved_step: int | None = None
         self.resumed_from: CheckpointInfo | None = None
 
+    # -- saving ------------------------------------------------------------------------------------
+    def _rank_state(self) -> dict[str, Any]:
+        return {"rng": capture_rng(), "counters": self.state.rank_dict()}
+
+    def _modes(self) -> list[bool]:
+        return [m.training for m in self.modules.modules()] if isinstance(self.modules, torch.nn.Module) else []
+
     def payload(self) -> dict[str, Any]:
-        """Everything an exact resume needs, as plain containers and tensors."""
+        """Everything an exact resume needs, as plain containers and tensors (this rank's view)."""
         payload: dict[str, Any] = {name: (obj.state_dict() if obj is not None else None)
                                    for name, obj in self.objects.items()}
         payload[_TRAIN_STATE] = self.state.state_dict()
         payload[_RNG] = capture_rng()
+        payload[_MODES] = self._modes()
         return payload
 
     def save(self, reason: str, metrics: dict[str, float] | None = None, wait: bool = False,
@@ -68,15 +122,18 @@ class Session:
         or ``wait=True``). A failure of an earlier background save is raised here as SaveFailed.
         ``blocked_since``: when the caller started waiting for this save (``time.perf_counter()``)."""
         started = time.perf_counter() if blocked_since is None else blocked_since
-        if not self.dist.main:  # rank 0 writes; the others only hand it their RNG states
-            self.dist.gather(capture_rng())
+        if not self.dist.main:  # rank 0 writes; the others only hand it their own state
+            self.dist.gather(self._rank_state())
             self.last_saved_step = self.state.step
             return
         self.writer.wait()  # at most one save in flight; its host buffers are about to be reused
         self._check_free_space()
         payload = self.payload()
-        if self.dist.active:
-            payload[RNG_RANKS] = self.dist.gather(payload[_RNG])
+        payload[_RANKS] = self.dist.gather({"rng": payload[_RNG], "counters": self.state.rank_dict()})
+        if not self._checked:  # the first save: an unloadable state would make every resume fail
+            for name, value in payload.items():
+                check_loadable(name, value)
+            self._checked = True
         if self.writer.asynchronous:
             payload = self._snapshotter.take(payload)
         step = self.state.step
@@ -87,6 +144,7 @@ class Session:
             "reason": reason,
             "metrics": metrics or {},
             "num_threads": torch.get_num_threads(),
+            "determinism": determinism.settings(),
         }
 
         def persist() -> int:
@@ -97,8 +155,7 @@ class Session:
             try:
                 self.manager.prune(self.keep, self.keep_best)
             except OSError as e:  # the new checkpoint is committed; a failed prune only leaves extra ones
-                print(f"resumable: warning: pruning old checkpoints failed ({e}); they stay on disk and the next "
-                      f"save tries again", file=sys.stderr)
+                log.warning(f"pruning old checkpoints failed ({e}); they stay on disk and the next save tries again")
             self._last_size = info.size
             if self.after_commit is not None:
                 self.after_commit(step)
@@ -109,13 +166,6 @@ class Session:
         if wait:
             self.writer.wait()
 
-    def _rng_of_this_rank(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """This rank's saved RNG states; rank 0's (the single-process ones) when the world size changed."""
-        ranks = payload.get(RNG_RANKS)
-        if isinstance(ranks, list) and len(ranks) == self.dist.world_size:
-            return ranks[self.dist.rank]
-        return payload[_RNG]
-
     def _check_free_space(self) -> None:
         """Warn before a save that will probably hit ENOSPC (the last checkpoint's size is the estimate)."""
         if not self._last_size:
@@ -125,13 +175,31 @@ class Session:
         except OSError:
             return
         if free < self._last_size * 1.2:
-            print(f"resumable: warning: only {free / 1e6:.0f} MB free in {self.manager.root}, and a checkpoint "
-                  f"takes {self._last_size / 1e6:.0f} MB: the next save may fail (free space, or lower --keep)",
-                  file=sys.stderr)
+            log.warning(f"only {free / 1e6:.0f} MB free in {self.manager.root}, and a checkpoint takes "
+                        f"{self._last_size / 1e6:.0f} MB: the next save may fail (free space, or lower --keep)")
 
     def close(self) -> None:
         """Wait for the last save; raises SaveFailed if it failed."""
         self.writer.wait()
+
+    # -- restoring ---------------------------------------------------------------------------------
+    def _my_rank_state(self, payload: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """This rank's (RNG states, per-rank counters) from ``payload``.
+
+        When the world size changed, rank 0 takes every saved rank's counters summed (so the epoch's loss
+        over all ranks stays right) and the other ranks start theirs from zero; RNG streams are rank 0's."""
+        world, rank = self.dist.world_size, self.dist.rank
+        ranks = payload.get(_RANKS)
+        if isinstance(ranks, list) and ranks:
+            if len(ranks) == world:
+                return ranks[rank]["rng"], ranks[rank]["counters"]
+            counters = {name: (sum(r["counters"][name] for r in ranks) if rank == 0 else 0 * ranks[0]["counters"][name])
+                        for name in TrainState.per_rank_fields()}
+            return ranks[0]["rng"], counters
+        old = payload.get(_OLD_RNG_RANKS)
+        if isinstance(old, list) and len(old) == world:
+            return old[rank], None
+        return payload[_RNG], None
 
     def restore(self, info: CheckpointInfo) -> None:
         """Load ``info`` into every object. Raises InvalidCheckpoint before touching anything if the
@@ -143,6 +211,7 @@ class Session:
             raise InvalidCheckpoint(f"payload lacks {missing}")
         if fingerprint(payload["model"], payload["optimizer"]) != info.fingerprint:
             raise InvalidCheckpoint("payload does not match the manifest's training-state fingerprint")
+        rng, counters = self._my_rank_state(payload)
         for name, obj in self.objects.items():
             if obj is None:
                 continue
@@ -150,8 +219,82 @@ class Session:
                 raise InvalidCheckpoint(f"checkpoint has no {name} state but this run uses one")
             obj.load_state_dict(payload[name])
         self.state.load_state_dict(payload[_TRAIN_STATE])
-        if not os.environ.get("RESUMABLE_TEST_SKIP_RNG_RESTORE"):  # a deliberately broken engine, for chaos tests
-            restore_rng(self._rng_of_this_rank(payload))  # last: loading must not consume random numbers after it
+        if counters is not None:
+            self.state.load_rank_dict(counters)
+        self._restore_modes(payload.get(_MODES))
+        if not self.faults.skip_rng_restore:
+            restore_rng(rng)  # last: loading must not consume random numbers after it
         self.last_saved_step = info.step
         self.resumed_from = info
         self._last_size = info.size  # the free-space check has an estimate from the first save on
+
+    def _restore_modes(self, modes: Any) -> None:
+        if not isinstance(self.modules, torch.nn.Module) or not isinstance(modes, list):
+            return
+        modules = list(self.modules.modules())
+        if len(modules) == len(modes):  # the same model; a different one fails its load_state_dict anyway
+            for module, training in zip(modules, modes, strict=True):
+                module.training = bool(training)
+
+    def resume(self, latest: CheckpointInfo, skipped: list[CheckpointInfo], computation: dict[str, Any],
+               run_dir: str, api: bool) -> CheckpointInfo:
+        """Restore the newest checkpoint that verifies and loads, warning about each one skipped.
+
+        Under DDP every rank tries the same candidates in the same order and they agree on each one (one small
+        all_gather), so all ranks resume from one checkpoint: a candidate that is unusable on every rank is
+        skipped everywhere, one usable on some ranks only is an error on all of them."""
+        manager = self.manager
+        older = (manager.check(step, path, deep=True) for step, path in reversed(manager.step_dirs())
+                 if step < latest.step)
+        reasons: list[str] = []
+        for info in (*skipped, latest, *older):
+            problem, fatal = self._try(info, computation, run_dir, api)
+            verdicts = self.dist.all_errors(f"{'fatal' if fatal else 'skip'}:{problem}" if problem else None)
+            if fatal is not None:
+                raise fatal
+            if any(message.startswith("fatal:") for _, message in verdicts):
+                rank, message = next((r, m) for r, m in verdicts if m.startswith("fatal:"))
+                raise ResumableError(f"rank {rank} could not resume from {info.path}: {message[6:]}")
+            if not verdicts:
+                for difference in determinism.differences(info.manifest.get("determinism"), determinism.settings()):
+                    log.warning(f"{difference}: bit-identity with the uninterrupted run is only promised when the "
+                                f"determinism settings match the checkpoint's")
+                return info
+            if len(verdicts) < self.dist.world_size:
+                rank, message = verdicts[0]
+                raise ResumableError(f"rank {rank} cannot use checkpoint step {info.step} ({message[5:]}) but other "
+                                     f"ranks can: every rank must see the same run dir ({run_dir}); check its "
+                                     f"storage and permissions on that rank's machine")
+            reason = verdicts[0][1][5:]
+            log.warning(f"skipping checkpoint step {info.step} ({info.path}): {reason}")
+            reasons.append(f"step {info.step}: {reason}")
+        found = "; ".join(reasons) or "none"
+        raise NothingToResume(f"no checkpoint of {run_dir} could be loaded ({found}); fix the cause, or start over "
+                              f"with --fresh --overwrite (which deletes them) or use another --run-dir")
+
+    def _try(self, info: CheckpointInfo, computation: dict[str, Any], run_dir: str,
+             api: bool) -> tuple[str | None, ResumableError | None]:
+        """Load ``info`` into every object: (why it was skipped, None), (None, None) when loaded, or (message,
+        error) when resuming must stop. Never raises, so every rank reaches the agreement in :meth:`resume`."""
+        if not info.valid:
+            return info.reason, None
+        try:
+            check_computation(info.manifest.get("computation", {}), computation, run_dir, api)
+            threads = info.manifest.get("num_threads")
+            if isinstance(threads, int) and threads != torch.get_num_threads():
+                log.info(f"setting torch threads to {threads} (was {torch.get_num_threads()}) as recorded in the "
+                         f"checkpoint, so CPU results stay bit-identical")
+                torch.set_num_threads(threads)
+            self.restore(info)
+        except InvalidCheckpoint as e:  # raised before any object is modified
+            return str(e), None
+        except OSError as e:  # this rank cannot read it (permissions, a missing mount): never a model mismatch
+            return f"{info.path} cannot be read ({e})", None
+        except ResumableError as e:
+            return str(e), e
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            detail = " ".join(str(e).split())  # torch's message spans lines; the error stays one line
+            error = ResumableError(f"the checkpoint {info.path} does not fit this model/optimizer ({detail}); use "
+                                   f"the matching options, or start over with --fresh --overwrite")
+            return str(error), error
+        return None, None

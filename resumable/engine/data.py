@@ -8,15 +8,20 @@ Two sources share the :class:`~resumable.engine.sampler.ResumableSampler` order:
   memory, the user's ``collate_fn``), starting each epoch's batch sampler at the resumed batch.
 
 Randomness inside ``Dataset.__getitem__`` (augmentations) is made a pure function of (seed, epoch, batch
-index): every batch is fetched with torch, ``random`` and NumPy seeded from :func:`batch_seed`, in whichever
-worker loads it, so a mid-epoch resume reproduces the same augmentations whatever ``num_workers`` is. In the
-training process the global streams are restored afterwards, so fetching never disturbs training randomness.
+index, rank): every batch is fetched with torch, ``random`` and NumPy seeded from :func:`batch_seed`, in
+whichever worker loads it, so a mid-epoch resume reproduces the same augmentations whatever ``num_workers``
+is, and DDP ranks draw different augmentations for their different samples. In the training process
+(``num_workers=0``) only the CPU streams are seeded, and restored afterwards, so fetching never disturbs
+training randomness: the CUDA generators are left alone unless CUDA is already initialised (then they are
+saved and restored too), because ``torch.manual_seed`` would reseed every GPU for good (or, before CUDA
+starts, queue a seed that lands on the GPUs later).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -26,9 +31,13 @@ from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 from .sampler import ResumableSampler, epoch_seed
 
 
-def batch_seed(seed: int, epoch: int, index: int) -> int:
-    """A 63-bit seed for batch ``index`` of ``epoch``, independent of which worker loads it."""
-    return epoch_seed(epoch_seed(seed, epoch), index)
+def batch_seed(seed: int, epoch: int, index: int, rank: int = 0) -> int:
+    """A 63-bit seed for batch ``index`` of ``epoch`` on DDP rank ``rank``, independent of which worker loads
+    it. Rank 0's seeds are those of a single process, so adding ``torchrun`` changes no single-process run;
+    every other rank mixes its rank in (the same seed on every rank would give the same augmentation
+    decisions, e.g. the same crops and flips, to every rank's batch)."""
+    mixed = epoch_seed(epoch_seed(seed, epoch), index)
+    return mixed if rank == 0 else epoch_seed(mixed, rank)
 
 
 class SeededBatch(list):
@@ -48,19 +57,28 @@ class _Seeded:
     def __init__(self, seed: int) -> None:
         self.seed = seed
         self.saved: tuple[Any, ...] | None = None
+        self._streams = ExitStack()
 
     def __enter__(self) -> None:
-        if get_worker_info() is None:  # the training process: its streams must come back untouched
-            self.saved = (torch.get_rng_state(), random.getstate(), np.random.get_state())
-        torch.manual_seed(self.seed)
+        if get_worker_info() is not None:  # a DataLoader worker: its streams are its own, seed them all
+            torch.manual_seed(self.seed)
+        else:  # the training process: its streams must come back untouched
+            self.saved = (torch.default_generator.get_state(), random.getstate(), np.random.get_state())
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                self._streams.enter_context(torch.random.fork_rng(devices=range(torch.cuda.device_count()),
+                                                                  device_type="cuda"))
+                torch.cuda.manual_seed_all(self.seed)
+            torch.default_generator.manual_seed(self.seed)
         random.seed(self.seed)
         np.random.seed(self.seed % (1 << 32))
 
     def __exit__(self, *exc: object) -> None:
         if self.saved is not None:
-            torch.set_rng_state(self.saved[0])
+            self._streams.close()  # the CUDA generators, when they were forked
+            torch.default_generator.set_state(self.saved[0])
             random.setstate(self.saved[1])
             np.random.set_state(self.saved[2])
+            self.saved = None
 
 
 class SeededDataset(Dataset):
@@ -84,21 +102,30 @@ class SeededDataset(Dataset):
 
 
 class EpochBatchSampler(Sampler[list[int]]):
-    """The batches of one epoch from ``start`` on, as :class:`SeededBatch` lists, for ``DataLoader``."""
+    """The batches of epoch ``epoch`` from batch ``start`` on, as :class:`SeededBatch` lists, for ``DataLoader``;
+    with ``through_epochs`` it goes on into the following epochs (one loader, persistent workers)."""
 
-    def __init__(self, sampler: ResumableSampler, epoch: int, start: int) -> None:
+    def __init__(self, sampler: ResumableSampler, epoch: int, start: int, through_epochs: bool = False) -> None:
         self.sampler = sampler
         self.epoch = epoch
         self.start = start
+        self.through_epochs = through_epochs
 
     def __len__(self) -> int:
+        if self.through_epochs:
+            raise TypeError("a batch sampler through every epoch has no length")
         return self.sampler.batches_per_epoch - self.start
 
     def __iter__(self) -> Iterator[list[int]]:
-        order = self.sampler.epoch_order(self.epoch)
-        for index in range(self.start, self.sampler.batches_per_epoch):
-            seed = batch_seed(self.sampler.seed, self.epoch, index)
-            yield SeededBatch(self.sampler.batch(order, index).tolist(), seed)
+        epoch, start = self.epoch, self.start
+        while True:
+            order = self.sampler.epoch_order(epoch)
+            for index in range(start, self.sampler.batches_per_epoch):
+                seed = batch_seed(self.sampler.seed, epoch, index, self.sampler.rank)
+                yield SeededBatch(self.sampler.batch(order, index).tolist(), seed)
+            if not self.through_epochs:
+                return
+            epoch, start = epoch + 1, 0
 
 
 class IndexBatches:
@@ -117,7 +144,8 @@ class IndexBatches:
 
 
 class LoaderBatches:
-    """Batches of a map-style dataset through ``DataLoader(**loader_options)``, one loader iterator per epoch.
+    """Batches of a map-style dataset through ``DataLoader(**loader_options)``, one loader iterator per epoch
+    (or, with ``persistent_workers=True``, one for the whole session, so the workers really persist).
 
     The loader gets a private ``generator`` seeded from (seed, epoch): a ``DataLoader`` iterator otherwise
     draws its workers' base seed from the global torch RNG, one draw per epoch *or resume*, which would
@@ -131,16 +159,28 @@ class LoaderBatches:
                                  f"leave it out of the loader options")
         self.dataset = SeededDataset(dataset)
         self.options = loader_options
+        self.persistent = bool(loader_options.get("persistent_workers")) and loader_options.get("num_workers", 0) > 0
         self._iterator: Iterator[Any] | None = None
+        self._next: tuple[int, int] | None = None  # (epoch, batch) the persistent iterator yields next
 
     def epoch(self, sampler: ResumableSampler, epoch: int, start: int) -> Callable[[torch.Tensor], Any]:
+        if self.persistent and self._iterator is not None and self._next == (epoch, start):
+            return self._fetch  # the session's loader goes on into this epoch with the same workers
         generator = torch.Generator()
         generator.manual_seed(epoch_seed(sampler.seed ^ 0x5EED, epoch))
-        loader = DataLoader(self.dataset, batch_sampler=EpochBatchSampler(sampler, epoch, start),
-                            generator=generator, **self.options)
-        self._iterator = iter(loader)
-        iterator = self._iterator
-        return lambda _indices: next(iterator)  # the loader walks the same order as the loop, in step
+        batches = EpochBatchSampler(sampler, epoch, start, through_epochs=self.persistent)
+        self._iterator = iter(DataLoader(self.dataset, batch_sampler=batches, generator=generator, **self.options))
+        self._next = (epoch, start)
+        self._batches = sampler.batches_per_epoch
+        return self._fetch
+
+    def _fetch(self, _indices: torch.Tensor) -> Any:
+        """The next batch: the loader walks the same order as the loop, in step."""
+        batch = next(self._iterator)
+        epoch, index = self._next
+        self._next = (epoch, index + 1) if index + 1 < self._batches else (epoch + 1, 0)
+        return batch
 
     def close(self) -> None:
-        self._iterator = None  # shuts the epoch's workers down
+        self._iterator = None  # shuts the workers down
+        self._next = None

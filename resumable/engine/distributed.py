@@ -39,6 +39,18 @@ def init_distributed(device_type: str = "cuda") -> Distributed:
     return Distributed.from_env(device_type)
 
 
+class Pending:
+    """A collective started with ``async_op=True`` and its result tensor."""
+
+    def __init__(self, work: Any, values: torch.Tensor) -> None:
+        self.work = work
+        self.values = values
+
+    def result(self) -> list[bool]:
+        self.work.wait()
+        return [bool(v) for v in self.values.tolist()]
+
+
 class Distributed:
     """This process's place in a job: rank 0 of 1 unless started by ``torchrun`` with several processes."""
 
@@ -86,6 +98,23 @@ class Distributed:
         values = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float32, device=device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
         return [bool(v) for v in values.tolist()]
+
+    def any_async(self, flags: list[bool], device: torch.device) -> Pending:
+        """Start :meth:`any` without waiting; ``.result()`` waits (call it at the next decision point)."""
+        import torch.distributed as dist
+
+        values = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float32, device=device)
+        return Pending(dist.all_reduce(values, op=dist.ReduceOp.MAX, async_op=True), values)
+
+    def all_errors(self, error: str | None) -> list[tuple[int, str]]:
+        """Every rank's error (rank, message), so all ranks fail together instead of one waiting forever."""
+        if not self.active:
+            return [(0, error)] if error else []
+        import torch.distributed as dist
+
+        out: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(out, error)
+        return [(rank, message) for rank, message in enumerate(out) if message]
 
     def sum(self, values: list[float], device: torch.device) -> list[float]:
         """Element-wise sum of ``values`` over all ranks (float64, one all_reduce)."""

@@ -79,6 +79,7 @@ class RunLock:
         self.host = socket.gethostname()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.lost: str | None = None  # set when another process took the lock over: stop, write nothing more
 
     def _record(self) -> dict[str, Any]:
         return lock_record(self.token, self.host)
@@ -129,8 +130,10 @@ class RunLock:
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             owner = self._read() or {}
-            if owner.get("token") != self.token:
-                return  # taken over: never write someone else's lock
+            if owner.get("token") != self.token:  # taken over: never write someone else's lock
+                self.lost = (f"the lock of {self.path.parent} was taken over by process {owner.get('pid')} on "
+                             f"{owner.get('host')}")
+                return
             record = {**owner, "heartbeat": time.time()}
             tmp = self.path.with_name(f".{LOCK_FILE}.{self.token}")
             tmp.write_text(json.dumps(record), encoding="utf-8")

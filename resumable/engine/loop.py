@@ -1,22 +1,22 @@
-"""The resumable epoch/step loop. Task code supplies a train step and an end-of-epoch hook; the loop
-owns the position in the data, the checkpoint triggers, stopping early, metrics and progress."""
+"""The resumable epoch/step loop: it only decides. Task code supplies a train step and an end-of-epoch hook;
+the loop owns the position in the data, the checkpoint triggers and stopping early, and emits what happened
+to its reporters (metrics, TensorBoard, progress, console: see reporting/reporters.py)."""
 
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
-from ..checkpoint.writer import SaveFailed
+from .. import log
 from ..config import format_duration
-from ..reporting.metrics import MetricsLog
-from .checkpointer import Session
-from .distributed import Distributed
+from ..errors import SaveFailed
+from ..reporting.reporters import Reporter
+from .checkpointer import Checkpointer
+from .distributed import Distributed, Pending
 from .preemption import Budget, StopFlag
 from .sampler import ResumableSampler
 from .triggers import SaveTriggers
@@ -27,7 +27,6 @@ class LoopPlan:
     epochs: int
     max_steps: int | None = None
     log_every: int = 10
-    progress: bool = True
     on_save_error: str = "warn"  # "warn": keep training and retry at the next trigger; "stop": exit 75
     accumulate: int = 1  # micro-batches per optimizer step
 
@@ -35,7 +34,7 @@ class LoopPlan:
 @dataclass
 class Outcome:
     finished: bool
-    reason: str  # "finished", or why it stopped early: a signal name or "time limit"
+    reason: str  # "finished", or why it stopped early: a signal name, "time limit", "save error", "lock lost"
 
 
 class _Estimate:
@@ -62,17 +61,17 @@ class Loop:
     commits a checkpoint and ends the generator with an unfinished :attr:`outcome`.
     """
 
-    def __init__(self, session: Session, sampler: ResumableSampler, plan: LoopPlan, metrics: MetricsLog,
+    def __init__(self, session: Checkpointer, sampler: ResumableSampler, plan: LoopPlan, report: Reporter,
                  end_epoch: Callable[[int], dict[str, float]],
                  current_lr: Callable[[], float], device: torch.device,
                  triggers: SaveTriggers | None = None, stop: StopFlag | None = None,
                  budget: Budget | None = None, on_interval: Callable[[float, float], None] | None = None,
-                 dist: Distributed | None = None) -> None:
+                 dist: Distributed | None = None, lost: Callable[[], str | None] | None = None) -> None:
         self.session = session
         self.state = session.state
         self.sampler = sampler
         self.plan = plan
-        self.metrics = metrics
+        self.report = report
         self.end_epoch = end_epoch
         self.current_lr = current_lr
         self.device = device
@@ -82,8 +81,10 @@ class Loop:
         self.on_interval = on_interval
         self.outcome: Outcome | None = None
         self.dist = dist
+        self.lost = lost or (lambda: None)  # why the run dir is no longer ours (lock/lease taken over)
         self._save_error: str | None = None  # set under --on-save-error stop
         self._loss: torch.Tensor | None = None
+        self._pending: Pending | None = None  # the step decision issued at the previous boundary (DDP)
         self.step_time = _Estimate()
         self.eval_time = _Estimate()
         self._clock = time.monotonic()
@@ -115,6 +116,8 @@ class Loop:
         """Why training must stop before the next step, if it must."""
         if self._save_error is not None:
             return "save error"
+        if self.lost() is not None:
+            return "lock lost"
         if self.stop is not None and self.stop.requested:
             return self.stop.requested
         last_of_epoch = self.state.batch_in_epoch + self.plan.accumulate >= self.sampler.batches_per_epoch
@@ -123,26 +126,49 @@ class Loop:
             return "time limit"
         return None
 
-    def _boundary(self, trigger: str | None) -> tuple[str | None, str | None]:
+    def _boundary(self, trigger: str | None, deferred: bool = False) -> tuple[str | None, str | None]:
         """At a step boundary: why training must stop, if it must, and whether a checkpoint is due.
 
         Under DDP every rank gets the same answer from one all_reduce, so all ranks save and stop at the
         same step: a signal or a spent budget on any rank stops them all, and rank 0's wall-clock trigger
-        (or a failed save, which only the writing rank sees) applies everywhere."""
+        (or a failed save or a lost lock, which only rank 0 sees) applies everywhere. ``deferred`` (between
+        the steps of an epoch): the reduction is started now and its answer used at the next boundary, so
+        the host never waits on it (under NCCL a blocking all_reduce would sync the host every step);
+        decisions then land one step later, on every rank alike."""
         self._check_saves()  # a failed background save surfaces here, before another step
         reason = self._stop_reason()
         if self.dist is None or not self.dist.active:
             return reason, trigger
-        signal = self.stop.requested if self.stop is not None else None
-        error, signalled, spent, due = self.dist.any(
-            [reason == "save error", signal is not None, reason == "time limit", trigger is not None], self.device)
+        # A step-count trigger is the same on every rank without asking; the wall clock is rank 0's.
+        by_steps = trigger == "steps"
+        flags = [reason == "save error", reason == "lock lost", self.stop is not None and bool(self.stop.requested),
+                 reason == "time limit", trigger is not None and not by_steps]
+        previous = self._pending.result() if self._pending is not None else [False] * len(flags)
+        self._pending = None
+        if previous[4]:  # this boundary saves for the clock's firing at the step before: the clock only
+            flags[4] = False  # resets with that save, so its firing now is the same one, not a second save
+        if deferred:
+            self._pending = self.dist.any_async(flags, self.device)
+            agreed = previous
+        else:
+            agreed = [a or b for a, b in zip(self.dist.any(flags, self.device), previous, strict=True)]
+        error, lost, signalled, spent, due = agreed
+        reason = None
         if error:
             reason = "save error"
+        elif lost:
+            reason = "lock lost"
         elif signalled:
-            reason = signal or "signal on another rank"
+            reason = (self.stop.requested if self.stop is not None else None) or "signal on another rank"
         elif spent:
             reason = "time limit"
-        return reason, (trigger or "time") if due else None
+        return reason, "steps" if by_steps else ("time" if due else None)
+
+    def _drain(self) -> None:
+        """Finish the deferred decision before other collectives end the session."""
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
 
     def report_loss(self, loss: torch.Tensor) -> None:
         """The loss of the batch just trained (not synced); summed into the epoch's train loss and logged."""
@@ -152,34 +178,32 @@ class Loop:
     def run(self) -> Iterator[tuple[int, int, torch.Tensor]]:
         self._clock = time.monotonic()
         outcome = Outcome(True, "finished")
-        bar = tqdm(total=self.total_steps, initial=min(self.state.step, self.total_steps), unit="step",
-                   disable=not self.plan.progress, file=sys.stderr, dynamic_ncols=True)
-        try:
-            reason = self._boundary(None)[0] if not self.finished() else None
-            if reason is not None:
-                outcome = Outcome(False, reason)
-            while outcome.finished and not self.finished():
-                if self.state.batch_in_epoch < self.sampler.batches_per_epoch:
-                    reason = yield from self._train_epoch(bar)
-                    if reason is not None:
-                        outcome = Outcome(False, reason)
-                        break
-                if self.state.batch_in_epoch >= self.sampler.batches_per_epoch:
-                    self._finish_epoch()
-                    reason = self._boundary(None)[0] if not self.finished() else None
-                    if reason is not None:
-                        outcome = Outcome(False, reason)
-                        break
-        finally:
-            bar.close()
+        reason = self._boundary(None)[0] if not self.finished() else None
+        if reason is not None:
+            outcome = Outcome(False, reason)
+        while outcome.finished and not self.finished():
+            if self.state.batch_in_epoch < self.sampler.batches_per_epoch:
+                reason = yield from self._train_epoch()
+                if reason is not None:
+                    outcome = Outcome(False, reason)
+                    break
+            if self.state.batch_in_epoch >= self.sampler.batches_per_epoch:
+                self._finish_epoch()
+                reason = self._boundary(None)[0] if not self.finished() else None
+                if reason is not None:
+                    outcome = Outcome(False, reason)
+                    break
+        self._drain()
         self._wait_saves()  # a save still in flight may fail: its outcome decides how this run ends
+        if outcome.reason == "lock lost":  # another process owns the run dir now: write nothing more
+            self.outcome = outcome
+            return
         if not self._failed_anywhere() and self._agree(self.session.last_saved_step != self.state.step):
             self._save(outcome.reason if not outcome.finished else "final")
             self._wait_saves(last=True)  # the last save commits before the run ends
         committed = self._save_error is None and self.session.last_saved_step == self.state.step
         if self._agree(not committed):  # the newest state is not committed: never "done", on any rank
             outcome = Outcome(False, "save error")
-        self.metrics.sync()
         self.outcome = outcome
 
     def _check_saves(self) -> None:
@@ -213,16 +237,14 @@ class Loop:
         newest = f"step {latest.step}" if latest else "none yet"
         if self.plan.on_save_error == "stop":
             self._save_error = str(error)
-            tqdm.write(f"resumable: error: {error}; the newest valid checkpoint is {newest}. Stopping "
-                       f"(--on-save-error stop)", file=sys.stderr)
+            log.error(f"{error}; the newest valid checkpoint is {newest}. Stopping (--on-save-error stop)")
             return
         self.session.last_saved_step = latest.step if latest else None  # so the end of training saves again
         then = ("" if last else " Training goes on and the next save tries again (use --on-save-error stop to stop "
                 "instead)")
-        tqdm.write(f"resumable: WARNING: {error}; the newest valid checkpoint is still {newest}.{then}",
-                   file=sys.stderr)
+        log.warning(f"{error}; the newest valid checkpoint is still {newest}.{then}")
 
-    def _train_epoch(self, bar: tqdm) -> Iterator[tuple[int, int, torch.Tensor]]:
+    def _train_epoch(self) -> Iterator[tuple[int, int, torch.Tensor]]:
         """Yield the epoch's batches to the end (or max_steps); returns a stop reason if stopped early."""
         state, plan, sampler = self.state, self.plan, self.sampler
         batches, accumulate = sampler.batches_per_epoch, plan.accumulate
@@ -230,8 +252,8 @@ class Loop:
         # Summed on the device in float64 and synced only when needed; starting from the saved exact
         # value makes the epoch loss of a resumed run equal to an uninterrupted one.
         loss_sum = torch.tensor(state.epoch_loss_sum, dtype=torch.float64, device=self.device)
-        bar.set_description(f"epoch {state.epoch + 1}/{plan.epochs}")
-        bar_clock, bar_samples, step_samples = time.monotonic(), 0, 0
+        self.report.epoch_begin(state.epoch, plan.epochs)
+        rate_clock, rate_samples, step_samples = time.monotonic(), 0, 0
         started = time.monotonic()
         window: list[torch.Tensor] = []
         first = state.batch_in_epoch  # saves happen at step boundaries only, so this starts a window
@@ -253,25 +275,25 @@ class Loop:
             if (index + 1) % accumulate and index + 1 < batches:
                 continue  # mid-window: no step boundary, so no log, trigger or save here
             state.step += 1
-            bar_samples += step_samples
-            bar.update(1)
+            rate_samples += step_samples
+            record, postfix = None, None
             if state.step % plan.log_every == 0:
                 now = time.monotonic()
-                rate = bar_samples / max(now - bar_clock, 1e-9)
+                rate = rate_samples / max(now - rate_clock, 1e-9)
                 record = {"step": state.step, "epoch": state.epoch + 1}
                 if window:
                     value = (torch.stack(window).double().mean() if len(window) > 1 else window[0]).item()
                     record["loss"] = value
-                    bar.set_postfix(loss=f"{value:.4f}", samples_s=f"{rate:,.0f}")
-                self.metrics.log({**record, "lr": self.current_lr(), "samples_per_s": round(rate, 1),
-                                  "time": time.time()})
+                    postfix = {"loss": f"{value:.4f}", "samples_s": f"{rate:,.0f}"}
+                record.update({"lr": self.current_lr(), "samples_per_s": round(rate, 1), "time": time.time()})
+            self.report.step(state.step, record, postfix)
             window = []
             self.step_time.add(time.monotonic() - started)
             if plan.max_steps is not None and state.step >= plan.max_steps:
                 break
             if index + 1 == batches:
                 break  # the end-of-epoch evaluation, save and stop check come right after
-            reason, trigger = self._boundary(self.triggers.due(state.step))
+            reason, trigger = self._boundary(self.triggers.due(state.step), deferred=True)
             if trigger is not None or reason is not None:
                 state.epoch_loss_sum = loss_sum.item()
             if trigger is not None:
@@ -286,6 +308,7 @@ class Loop:
         started = time.monotonic()
         results = self.end_epoch(state.epoch)
         self.eval_time.add(time.monotonic() - started)
+        self._drain()
         loss_sum, loss_count = state.epoch_loss_sum, state.epoch_loss_count
         if self.dist is not None and self.dist.active:  # the epoch's train loss over every rank's batches
             loss_sum, loss_count = self.dist.sum([loss_sum, float(loss_count)], self.device)
@@ -293,7 +316,6 @@ class Loop:
         self._tick()
         record = {"step": state.step, "epoch": state.epoch + 1, "train_loss": train_loss, **results,
                   "elapsed_s": round(state.elapsed_s, 3), "time": time.time()}
-        self.metrics.log(record)
         acc = results.get("test_acc")
         if acc is not None and (state.best_test_acc is None or acc > state.best_test_acc):
             state.best_test_acc, state.best_step = acc, state.step
@@ -303,8 +325,7 @@ class Loop:
         summary = (f"epoch {state.epoch + 1}/{self.plan.epochs}  step {state.step}  train_loss {train_loss:.4f}"
                    + "".join(f"  {k} {v:.4f}" for k, v in results.items())
                    + f"  trained {format_duration(state.elapsed_s)} in all" + progress)
-        if self.dist is None or self.dist.main:
-            tqdm.write(summary, file=sys.stderr)
+        self.report.epoch_end(record, summary)
         state.epoch += 1
         state.batch_in_epoch = 0
         state.epoch_loss_sum = 0.0

@@ -15,7 +15,6 @@ import time
 from types import FrameType
 from typing import Any
 
-EXIT_RESUME = 75  # EX_TEMPFAIL
 COLAB_VM_LIFETIME_S = 12 * 3600.0
 COLAB_SAFETY_S = 20 * 60.0
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
@@ -32,11 +31,13 @@ class StopFlag:
     def __init__(self, signals: tuple[str, ...] = STOP_SIGNALS) -> None:
         self.signals = [getattr(signal, name) for name in signals if hasattr(signal, name)]
         self.requested: str | None = None  # name of the first signal received
+        self.forced = False  # a second Ctrl-C: stop at once
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.requested == "SIGINT" and name == "SIGINT":
+            self.forced = True  # the clean-up that follows must not wait (e.g. for Drive uploads)
             raise KeyboardInterrupt  # second Ctrl-C: stop now
         if self.requested is None:
             self.requested = name

@@ -8,10 +8,11 @@ augmentation randomness are independent of the data order.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
+
+from .. import log
 
 _MASK63 = (1 << 63) - 1
 
@@ -48,6 +49,10 @@ class ResumableSampler:
         self.drop_last = drop_last
         self.rank = rank
         self.world_size = world_size
+        self._told = False  # the trailing samples that no step takes are announced once
+        if self.batches_per_epoch < 1:
+            raise ValueError(f"num_samples={num_samples} is too few for {world_size} processes: each rank needs at "
+                             f"least {self.min_rank_batch} sample(s) per step; use fewer processes or more data")
 
     @property
     def global_batch(self) -> int:
@@ -55,14 +60,44 @@ class ResumableSampler:
         return self.batch_size * self.world_size
 
     @property
+    def min_rank_batch(self) -> int:
+        """The fewest samples a rank may get in the short last step of an epoch: an empty batch gives a NaN
+        loss, and a 1-sample batch makes BatchNorm fail in train mode (unless every batch is that small)."""
+        return min(2, self.batch_size)
+
+    @property
+    def _short_step(self) -> int:
+        """Samples of the short last step of an epoch (0: none)."""
+        full, rest = divmod(self.num_samples, self.global_batch)
+        if rest == 0 or (self.drop_last and full > 0):
+            return 0
+        return rest
+
+    @property
+    def dropped_per_epoch(self) -> int:
+        """Trailing samples of each epoch that no step takes (DDP only): a short last step that would leave
+        some rank fewer than :attr:`min_rank_batch` samples is not taken. A single process takes every
+        sample (``drop_last=False``)."""
+        short = self._short_step
+        if self.world_size > 1 and 0 < short < self.min_rank_batch * self.world_size:
+            return short
+        return 0
+
+    @property
     def batches_per_epoch(self) -> int:
         """Steps per epoch; under DDP each step is one ``batch_size`` slice per rank."""
-        if self.drop_last:
-            return max(self.num_samples // self.global_batch, 1)
-        return math.ceil(self.num_samples / self.global_batch)
+        return self.num_samples // self.global_batch + (1 if self._short_step and not self.dropped_per_epoch else 0)
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
         """The permutation of dataset indices for ``epoch`` (int64, on CPU)."""
+        dropped = self.dropped_per_epoch
+        if dropped and not self._told:
+            self._told = True
+            log.warning(f"{self.num_samples} samples in steps of {self.batch_size} x {self.world_size} processes "
+                        f"leave a last step of {dropped} sample(s), which would give a rank fewer than "
+                        f"{self.min_rank_batch}: those {dropped} trailing sample(s) of each epoch's order are "
+                        f"skipped (each epoch trains {self.num_samples - dropped}). Choose a batch size that leaves "
+                        f"at least {self.min_rank_batch * self.world_size} for the last step to use them all")
         if not self.shuffle:
             return torch.arange(self.num_samples)
         generator = torch.Generator()
@@ -74,7 +109,8 @@ class ResumableSampler:
 
         Under DDP step ``index`` covers ``order[index * B * W : (index + 1) * B * W]`` and rank ``r`` takes
         the r-th slice of B, so the ranks' slices, concatenated in rank order, are the single-process order.
-        A short last step is split as evenly as possible (no sample twice, none dropped).
+        A short last step is split as evenly as possible (no sample twice); it is not taken at all when that
+        would leave a rank fewer than :attr:`min_rank_batch` samples (see :attr:`dropped_per_epoch`).
         """
         if not 0 <= index < self.batches_per_epoch:
             raise IndexError(f"batch {index} is outside 0..{self.batches_per_epoch - 1}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -25,24 +25,45 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
 
 
+def _per_rank(default: Any) -> Any:
+    """A counter each DDP rank keeps for itself (saved per rank, restored on the matching rank)."""
+    return field(default=default, metadata={"per_rank": True})
+
+
 @dataclass
 class TrainState:
-    """Loop counters. ``batch_in_epoch`` is the index of the next batch to train in ``epoch``."""
+    """Loop counters. ``batch_in_epoch`` is the index of the next batch to train in ``epoch``.
+
+    Fields are *replicated* (equal on every DDP rank, saved once) unless marked per-rank: those are saved
+    for every rank and each rank gets its own back, so e.g. the epoch's train loss over all ranks' batches
+    is the same in a resumed run as in an uninterrupted one."""
 
     step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0
-    samples_seen: int = 0
+    samples_seen: int = _per_rank(0)  # this rank's samples
     elapsed_s: float = 0.0
-    # Running sum of the training loss in the current epoch, so the epoch summary of a resumed run
+    # Running sum of this rank's training loss in the current epoch, so the epoch summary of a resumed run
     # equals that of an uninterrupted one.
-    epoch_loss_sum: float = 0.0
-    epoch_loss_count: int = 0
+    epoch_loss_sum: float = _per_rank(0.0)
+    epoch_loss_count: int = _per_rank(0)
     best_test_acc: float | None = None
     best_step: int | None = None
 
+    @classmethod
+    def per_rank_fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("per_rank"))
+
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def rank_dict(self) -> dict[str, Any]:
+        """This rank's own counters (see :meth:`per_rank_fields`)."""
+        return {name: getattr(self, name) for name in self.per_rank_fields()}
+
+    def load_rank_dict(self, counters: dict[str, Any]) -> None:
+        for name in self.per_rank_fields():
+            setattr(self, name, counters[name])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         names = {f.name for f in dataclasses.fields(self)}
@@ -111,3 +132,60 @@ def restore_rng(state: dict[str, Any]) -> None:
                       "visible: restoring the common ones; bit-exactness is not guaranteed", stacklevel=2)
     for index, cuda_state in enumerate(cuda_states[:count]):
         torch.cuda.set_rng_state(cuda_state, device=index)
+
+
+class TorchGeneratorState:
+    """A user's ``torch.Generator`` as a Stateful."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"torch_generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["torch_generator"])
+
+
+class NumpyGeneratorState:
+    """A user's ``numpy.random.Generator`` (or bare BitGenerator) as a Stateful: its bit generator's state,
+    plain ints and strings."""
+
+    def __init__(self, generator: Any) -> None:
+        self.bit_generator = getattr(generator, "bit_generator", generator)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"numpy_bit_generator": self.bit_generator.state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.bit_generator.state = state["numpy_bit_generator"]
+
+
+class PythonRandomState:
+    """A user's ``random.Random`` as a Stateful (the state tuple as lists and ints)."""
+
+    def __init__(self, generator: random.Random) -> None:
+        self.generator = generator
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = self.generator.getstate()
+        return {"python_random": {"version": version, "state": list(internal), "gauss": gauss}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state["python_random"]
+        self.generator.setstate((saved["version"], tuple(saved["state"]), saved["gauss"]))
+
+
+def as_stateful(name: str, obj: Any) -> Stateful:
+    """``obj`` as something with ``state_dict``/``load_state_dict``: random generators are wrapped, anything
+    else that lacks the protocol is refused now rather than at the first save."""
+    if isinstance(obj, torch.Generator):
+        return TorchGeneratorState(obj)
+    if isinstance(obj, (np.random.Generator, np.random.BitGenerator)):
+        return NumpyGeneratorState(obj)
+    if isinstance(obj, random.Random):
+        return PythonRandomState(obj)
+    if isinstance(obj, Stateful):
+        return obj
+    raise TypeError(f"objects[{name!r}] is a {type(obj).__name__}, which has no state_dict()/load_state_dict(); "
+                    f"pass something Stateful (or a torch/numpy/random generator, which resumable wraps)")

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+METRICS = "metrics.jsonl"
 # Fields that depend on wall-clock time and legitimately differ between runs.
 TIMING_FIELDS = frozenset({"time", "elapsed_s", "samples_per_s"})
 

@@ -35,6 +35,7 @@ class DriveLease:
         self.host = socket.gethostname()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.lost: str | None = None  # set when another machine took the lease over
 
     def _read(self) -> dict[str, Any] | None:
         with tempfile.TemporaryDirectory() as scratch:
@@ -77,6 +78,11 @@ class DriveLease:
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
+                owner = self._read()
+                if owner is not None and owner.get("token") not in (None, self.token):
+                    self.lost = (f"the lease of {self.remote.description} was taken over by {owner.get('host')} "
+                                 f"(process {owner.get('pid')})")
+                    return  # never overwrite the new owner's lease
                 self._write(lock_record(self.token, self.host))
             except StorageError:
                 pass  # the next beat tries again; a stale lease only lets another machine in later

@@ -13,12 +13,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import ResumableError
+
 MEAN, STD = 0.1307, 0.3081
 RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
              "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
-class DataUnavailable(Exception):
+class DataUnavailable(ResumableError):
     """MNIST files are missing and could not be downloaded; the message says where to put them."""
 
 

@@ -18,14 +18,15 @@ _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class MnistTask:
     """Everything ``resumable-train`` trains, built deterministically from ``cfg`` (seeded first)."""
 
-    def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
+    def __init__(self, cfg: TrainConfig, device: torch.device, world_size: int = 1) -> None:
         self.cfg = cfg
         self.device = device
         self.data = mnist.load_mnist(cfg.data_dir, device, download=cfg.download)
         seed_everything(cfg.seed)
         self.model = mnist.build_model(device)
         self.optimizer = mnist.make_optimizer(self.model, cfg.lr, device)
-        self.sampler = ResumableSampler(len(self.data.train), cfg.batch_size, cfg.seed)
+        # Under torchrun each step covers world_size batches: the one-cycle schedule is as long as the real run.
+        self.sampler = ResumableSampler(len(self.data.train), cfg.batch_size, cfg.seed, world_size=world_size)
         self.scheduler = self._scheduler()
         self.amp_dtype = _AMP_DTYPES.get(cfg.amp)
         # A GradScaler is needed for fp16 only: bf16 has float32's exponent range.

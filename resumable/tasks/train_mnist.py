@@ -10,11 +10,13 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import log
 from ..checkpoint.writer import SaveStats
 from ..config import COMPUTATION_FIELDS, SESSION_FIELDS, TrainConfig
 from ..engine.data import IndexBatches
 from ..engine.distributed import Distributed
-from ..engine.run import Run, agree_on_start
+from ..engine.run import Run
+from ..engine.rundir import RunDir
 from ..engine.state import TrainState, seed_everything
 from ..errors import ConfigMismatch, ResumableError
 from .mnist_task import MnistTask
@@ -51,14 +53,17 @@ def _pick_device(name: str, dist: Distributed) -> torch.device:
 
 @dataclass
 class TrainResult:
-    exit_code: int  # 0 done, 75 stopped early with state committed (run again to continue)
+    # 0 done, 75 stopped early with state committed (run again to continue); 0 as well for a stop on purpose
+    # under torchrun, recorded in RUN_DIR/stopped.json (`resumable torchrun` turns it into 75)
+    exit_code: int
     state: TrainState
-    stats: SaveStats
+    stats: SaveStats | None
 
 
 def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False) -> TrainResult:
     """Run ``resumable-train`` with the options the user gave explicitly."""
     dist = Distributed.from_env(_device_type(explicit.get("device", TrainConfig.device)))  # torchrun: join
+    log.set_rank(dist.rank)  # before the task is built: only rank 0 speaks from the start
     try:
         return _train(dist, explicit, mode, overwrite)
     finally:
@@ -71,12 +76,30 @@ def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False)
 
 def _train(dist: Distributed, explicit: dict[str, Any], mode: str, overwrite: bool) -> TrainResult:
     run_dir = explicit.get("run_dir", TrainConfig.run_dir)
-    location, (latest, skipped) = agree_on_start(dist, run_dir, explicit.get("cache_dir"),
-                                                 explicit.get("drive_credentials"), mode, overwrite)
-    saved = latest.manifest.get("config") if latest is not None else None
+    rundir, choice = RunDir.open(dist, run_dir, explicit.get("cache_dir"), explicit.get("drive_credentials"), mode,
+                                 overwrite)
+    try:
+        run, task = _build(dist, explicit, mode, overwrite, rundir, choice)
+    except BaseException:
+        rundir.release()  # the Run never started: give the lock back here
+        raise
+    try:
+        for _epoch, _step, indices in run:
+            run.log(task.train_step(indices))
+    finally:
+        run.close()  # an exception (a second Ctrl-C) ends the session here, not at interpreter teardown
+    return TrainResult(run.exit_code, run.state, run.stats)
+
+
+def _build(dist: Distributed, explicit: dict[str, Any], mode: str, overwrite: bool, rundir: RunDir,
+           choice: Any) -> tuple[Run, MnistTask]:
+    saved = choice.latest.manifest.get("config") if choice.latest is not None else None
     cfg = resolve_config(explicit, saved)
     device = _pick_device(cfg.device, dist)
-    task = MnistTask(cfg, device)
+    # Deterministic cuDNN kernels cost little on this small CNN; resumes are bit-identical on GPU too.
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    task = MnistTask(cfg, device, world_size=dist.world_size)
     if dist.active:
         # Same initial weights on every rank (seeded, and DDP broadcasts rank 0's); other dropout masks.
         task.model = DistributedDataParallel(task.model, device_ids=[device.index] if device.index is not None
@@ -87,9 +110,8 @@ def _train(dist: Distributed, explicit: dict[str, Any], mode: str, overwrite: bo
     run = Run(cfg.run_dir, model=task.model, optimizer=task.optimizer, scheduler=task.scheduler,
               scaler=task.scaler, data=IndexBatches(lambda indices: indices, len(task.data.train)),
               batch_size=cfg.batch_size, seed=cfg.seed, evaluate=task.evaluate, device=device,
-              resume=_RESUME[mode], overwrite=overwrite, prepared=(location, (latest, skipped)), **options)
-    run.computation = task.computation()  # what a checkpoint must match: the options that change the numbers
-    run.settings = cfg.to_dict()  # what the next start inherits for options not given again
-    for _epoch, _step, indices in run:
-        run.log(task.train_step(indices))
-    return TrainResult(run.exit_code, run.state, run.stats)
+              resume=_RESUME[mode], overwrite=overwrite, prepared=(rundir, choice),
+              # what a checkpoint must match (the options that change the numbers), and what the next start
+              # inherits for options not given again
+              computation=task.computation(), settings=cfg.to_dict(), **options)
+    return run, task

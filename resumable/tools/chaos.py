@@ -1,8 +1,15 @@
 """`resumable chaos`: kill a training run on purpose, restart it until done, and prove the result equals
-an uninterrupted run (final fingerprint and metrics records)."""
+an uninterrupted run (final fingerprint and metrics records).
+
+What it runs is a :class:`Target`: `resumable-train` (the default), a Python function or script (warm restarts
+through the fork server possible), or any command line (`torchrun ...`, a shell script). Whatever it is, it
+must train with resumable into the run dir chaos hands it (``{run_dir}`` in its arguments): chaos reads that
+dir's checkpoints and ``metrics.jsonl``, and times its kills from the engine's "training on" line.
+"""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -11,15 +18,22 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..checkpoint import CheckpointManager, checkpoints_dir
 from ..checkpoint import format as fmt
+from ..faults import Faults
 from ..reporting.metrics import read_records, without_timing
 from .forkserver import ForkServer
+from .targets import Target
 
-TRAIN = [sys.executable, "-c", "from resumable.cli import train_command; train_command()"]
+LAUNCH = [sys.executable, "-c", "import sys; from resumable.tools.forkserver import main; main(sys.argv[1:])"]
+# A marker in each session's environment, inherited by everything it starts (DataLoader workers, torchrun's
+# workers, which torchrun puts in sessions of their own): how chaos finds them all, orphans included, to
+# SIGKILL them together and to wait for them before the next start. Never read by the engine.
+SESSION_ENV = "RESUMABLE_CHAOS_SESSION"
 SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}
 
 
@@ -78,11 +92,45 @@ def _resumed_from(stderr: str) -> int | None:
     return int(stderr.split(marker, 1)[1].split()[0])
 
 
+def _session_pids(tag: str) -> list[int]:
+    """Live processes of one session (its environment has ``SESSION_ENV=tag``); none where /proc is missing."""
+    needle = f"{SESSION_ENV}={tag}".encode()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    pids = []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            if needle not in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                continue
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):  # gone, or not ours to read
+            continue
+        if state not in ("Z", "X"):  # a zombie has exited; its parent (maybe init) reaps it
+            pids.append(int(entry))
+    return pids
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 class Chaos:
-    def __init__(self, train_args: list[str], workdir: Path, kills: int, signal_mode: str, seed: int,
+    """``target``: a :class:`Target`, or the arguments of `resumable-train`."""
+
+    def __init__(self, target: Target | Sequence[str], workdir: Path, kills: int, signal_mode: str, seed: int,
                  every_s: float, mid_save_every: int = 3, extra_env: dict[str, str] | None = None,
                  echo=print, warm: bool = False, parallel_reference: bool = False) -> None:
-        self.train_args = train_args
+        self.target = target if isinstance(target, Target) else Target("resumable-train", tuple(target))
+        if warm and self.target.kind == "command":
+            raise ValueError("--warm forks a Python process that imported torch; a command starts afresh each time")
         self.workdir = workdir
         self.kills = kills
         self.signal_mode = signal_mode
@@ -95,18 +143,46 @@ class Chaos:
         self.parallel_reference = parallel_reference
         self._servers: list[ForkServer] = []
         self._own_reference = True
+        self._numbers = itertools.count(1)
+        self._live: set[str] = set()  # tags of sessions that may still have processes
 
     def _spawn(self, run_dir: Path, extra: dict[str, str], server: int = 0):
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env, **extra}
+        """Start one session; returns the process and the session's tag."""
+        tag = f"{os.getpid()}.{next(self._numbers)}"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env, **extra, SESSION_ENV: tag}
         # One record per step, so "step at kill" is exact (both runs get it, so records still compare); not
         # with a user's --reference, whose records were written with the options as given.
-        chosen = self._own_reference and not any(a.startswith("--log-every") for a in self.train_args)
-        logging = ["--log-every", "1"] if chosen else []
-        args = [*self.train_args, *logging, "--run-dir", str(run_dir), "--no-progress"]
+        chosen = self._own_reference and not any(a.startswith("--log-every") for a in self.target.args)
+        args = self.target.arguments(run_dir, chosen)
+        self._live.add(tag)
         if self._servers:
-            return self._servers[server].spawn(args, env)
-        return subprocess.Popen(TRAIN + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                env=env, stdin=subprocess.DEVNULL)
+            return self._servers[server].spawn(args, env), tag
+        command = args if self.target.kind == "command" else [*LAUNCH, self.target.python, *args]
+        try:
+            proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                                    stdin=subprocess.DEVNULL)
+        except OSError as e:
+            raise RuntimeError(f"cannot start {command[0]!r}: {e}") from e
+        return proc, tag
+
+    @staticmethod
+    def _kill(proc, tag: str) -> None:
+        """SIGKILL the session's process and everything it started at once, as a VM going away does."""
+        others = [pid for pid in _session_pids(tag) if pid != proc.pid]
+        proc.send_signal(signal.SIGKILL)
+        _kill_all(others)
+
+    def _settle(self, tag: str, timeout: float = 60.0) -> None:
+        """Wait until every process of an ended session is gone (torchrun's workers may still be saving; a
+        DataLoader worker leaves soon after its parent), so no two sessions ever share the run dir."""
+        deadline = time.monotonic() + timeout
+        while pids := _session_pids(tag):
+            if time.monotonic() > deadline:
+                _kill_all(pids)
+                if time.monotonic() > deadline + 10:
+                    raise RuntimeError(f"processes {pids} of an ended session do not exit, even on SIGKILL")
+            time.sleep(0.02)
+        self._live.discard(tag)
 
     @staticmethod
     def _collect(proc, lines: list[tuple[float, str]]) -> threading.Thread:
@@ -131,7 +207,7 @@ class Chaos:
             started = time.monotonic()
             # A mid-save session writes each checkpoint slowly, so that its kill lands between payload and
             # manifest; the window is short enough that async saves barely slow its training.
-            proc = self._spawn(run_dir, {"RESUMABLE_TEST_SAVE_DELAY": "0.3"} if mid_save else {})
+            proc, tag = self._spawn(run_dir, Faults(save_delay_s=0.3).to_env() if mid_save else {})
             lines: list[tuple[float, str]] = []
             reader = self._collect(proc, lines)
             if killing:
@@ -143,9 +219,12 @@ class Chaos:
                     if due and (not mid_save or _saving(run_dir)):
                         break
                     time.sleep(0.005)
-                if proc.poll() is None:
-                    proc.send_signal(SIGNALS[name] if not mid_save else signal.SIGKILL)
+                if proc.poll() is None and (mid_save or name == "KILL"):
+                    self._kill(proc, tag)
+                elif proc.poll() is None:  # TERM and INT go to the process, as from `kill` or a launcher
+                    proc.send_signal(SIGNALS[name])
             proc.wait()
+            self._settle(tag)
             inside_save = mid_save and _saving(run_dir)  # confirm the kill did land inside a write
             reader.join()
             stderr = "".join(line for _, line in lines)
@@ -171,9 +250,13 @@ class Chaos:
         """Run the uninterrupted reference in a thread; its result lands in ``self._reference``."""
         def reference() -> None:
             started = time.monotonic()
-            proc = self._spawn(run_dir, {}, server=len(self._servers) - 1)
-            _, stderr = proc.communicate()
-            self._reference = (proc.returncode, stderr, time.monotonic() - started)
+            try:
+                proc, tag = self._spawn(run_dir, {}, server=len(self._servers) - 1)
+                _, stderr = proc.communicate()
+                self._settle(tag)
+                self._reference = (proc.returncode, stderr, time.monotonic() - started)
+            except RuntimeError as e:
+                self._reference = (None, str(e), time.monotonic() - started)
 
         thread = threading.Thread(target=reference, daemon=True)
         thread.start()
@@ -183,9 +266,13 @@ class Chaos:
         self._own_reference = reference is None
         try:
             if self.warm:  # the parallel reference gets a server of its own: one child per server
-                self._servers = [ForkServer() for _ in range(2 if self.parallel_reference else 1)]
+                for _ in range(2 if self.parallel_reference else 1):
+                    self._servers.append(ForkServer(self.target.python))
             return self._run(reference)
         finally:
+            for tag in list(self._live):  # chaos itself stopped (Ctrl-C, an error): leave no training behind
+                _kill_all(_session_pids(tag))
+            self._live.clear()
             for server in self._servers:
                 server.close()
             self._servers = []

@@ -1,29 +1,40 @@
-"""Warm restarts for `resumable chaos --warm`.
+"""Warm restarts for `resumable chaos --warm`, and the one way chaos calls a Python target.
 
 A cold restart pays for a new interpreter and ``import torch`` (about 1.5-2.5 s on a small CPU) before
 the engine does anything. That is real on a fresh Colab VM, but it is not the engine's cost, and at a kill
-every 20 s it hides what the engine loses. The fork server imports torch and resumable once, then forks a
-fresh training process for every (re)start: each child is a separate process that is killed for real, and
-its restart time is only what the engine spends (parsing, lock, restore, data load, first step).
+every 20 s it hides what the engine loses. The fork server imports torch and the target's module once, then
+forks a fresh training process for every (re)start: each child is a separate process that is killed for
+real, and its restart time is only what the engine spends (parsing, lock, restore, data load, first step).
+
+A target is ``MODULE:FUNCTION`` or ``FILE.py:FUNCTION`` (called as ``FUNCTION(argv)``; an int it returns, or
+the ``exit_code`` of what it returns, is the exit code) or ``FILE.py`` (run as ``__main__``, like ``python
+FILE.py``). ``sys.argv`` is ``[program, *argv]`` either way, so a ``main()`` that parses ``sys.argv`` works.
 
 Protocol over a SOCK_SEQPACKET socket pair, one JSON message each: the server sends ``{"ready": true}``
-after its imports; a request ``{"args", "env", "cwd"}`` carries the write end of the child's stderr pipe
-as SCM_RIGHTS; the server answers ``{"pid"}``, waits for the child and sends ``{"returncode"}`` (negative
-signal number like ``subprocess``). The server is single-threaded and forks one child at a time.
+after its imports (or ``{"error"}``); a request ``{"args", "env", "cwd"}`` carries the write end of the
+child's stderr pipe as SCM_RIGHTS; the server answers ``{"pid"}``, waits for the child and sends
+``{"returncode"}`` (negative signal number like ``subprocess``). The server is single-threaded and forks one
+child at a time.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import io
 import json
 import os
+import runpy
 import signal
 import socket
 import subprocess
 import sys
 import traceback
+from collections.abc import Callable
+from pathlib import Path
 
 _MAX = 1 << 20
+TRAIN_TARGET = "resumable.cli:train_command"  # what `resumable-train` runs
 
 
 def _send(sock: socket.socket, message: dict, fds: list[int] | None = None) -> None:
@@ -34,8 +45,86 @@ def _send(sock: socket.socket, message: dict, fds: list[int] | None = None) -> N
         sock.send(data)
 
 
-def _child(sock: socket.socket, request: dict, err_fd: int) -> None:
-    """In the forked child: become `resumable-train ARGS` with the request's stdio, env and cwd."""
+def _script_and_function(target: str) -> tuple[str | None, str | None, str | None]:
+    """``target`` -> (module, file, function); exactly one of module and file is set."""
+    where, _, function = target.rpartition(":") if ":" in target else (target, "", None)
+    if where.endswith(".py") or os.sep in where:
+        return None, str(Path(where).resolve()), function
+    return where, None, function
+
+
+def load(target: str) -> tuple[str, Callable[[list[str]], object]]:
+    """Import ``target``; return its program name (``sys.argv[0]``) and a callable of the argument list.
+
+    Imports (a function's module) happen here, so the fork server pays them once, before any fork."""
+    module_name, path, function = _script_and_function(target)
+    if target == TRAIN_TARGET:
+        from ..tasks import mnist_task  # noqa: F401 - imported lazily by train_command; pay it once too
+    if path is not None:
+        sys.path.insert(0, str(Path(path).parent))  # what `python FILE.py` does, for the script's own imports
+        if function is None:
+            return path, lambda argv: runpy.run_path(path, run_name="__main__")
+        name = Path(path).stem if Path(path).stem not in sys.modules else f"_chaos_target_{Path(path).stem}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"{path} cannot be imported as a Python module")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    else:
+        if function is None:
+            raise ValueError(f"{target} names a module; add the function to call, e.g. {target}:main")
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # as `python -m`: a module beside the command is found
+        module = importlib.import_module(module_name)
+    obj = module
+    for part in function.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{target} is a {type(obj).__name__}, not a function")
+    return ("resumable-train" if target == TRAIN_TARGET else path or module_name), obj
+
+
+def _exit_code(result: object) -> int:
+    code = getattr(result, "exit_code", result)  # e.g. a resumable.Run or a TrainResult
+    return code if isinstance(code, int) and not isinstance(code, bool) else 0
+
+
+def _system_exit_code(e: SystemExit) -> int:
+    if e.code is None or isinstance(e.code, int):
+        return e.code or 0
+    print(e.code, file=sys.stderr)  # sys.exit("message"), as the interpreter does
+    return 1
+
+
+def call(program: str, function: Callable[[list[str]], object], args: list[str]) -> int:
+    """Run the target in this process as its own program; return its exit code (never raises)."""
+    sys.argv = [program, *args]
+    try:
+        return _exit_code(function(list(args)))
+    except SystemExit as e:
+        return _system_exit_code(e)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return 130
+    except BaseException:  # noqa: BLE001 - a traceback and exit 1, as the interpreter does
+        traceback.print_exc()
+        return 1
+
+
+def main(argv: list[str]) -> None:
+    """Cold start: ``python -c '...main(sys.argv[1:])' TARGET ARGS...`` runs TARGET with ARGS."""
+    target, args = argv[0], argv[1:]
+    try:
+        program, function = load(target)
+    except Exception as e:  # noqa: BLE001 - reported, exit 2 (a bad target, not a training failure)
+        print(f"resumable chaos: cannot load --target {target}: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(call(program, function, args))
+
+
+def _child(sock: socket.socket, request: dict, err_fd: int, program: str, function: Callable) -> None:
+    """In the forked child: become the target with the request's argv, stdio, env and cwd."""
     code = 1
     try:
         sock.close()
@@ -50,12 +139,7 @@ def _child(sock: socket.socket, request: dict, err_fd: int) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        from ..cli import train_command
-
-        train_command.main(request["args"], prog_name="resumable-train", standalone_mode=True)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        code = call(program, function, request["args"])
     except BaseException:  # noqa: BLE001 - the child must never return into the server's loop
         traceback.print_exc()
     finally:
@@ -67,14 +151,18 @@ def _child(sock: socket.socket, request: dict, err_fd: int) -> None:
         os._exit(code)
 
 
-def serve(fd: int) -> None:
+def serve(fd: int, target: str = TRAIN_TARGET) -> None:
     import torch  # noqa: F401 - the point of the server: imported once, before any fork
     import torch._dynamo  # noqa: F401 - creating any optimizer imports it (~1.4 s), in every process
 
-    from .. import cli  # noqa: F401
-    from ..tasks import mnist_task  # noqa: F401
+    import resumable  # noqa: F401 - what a user's script imports first
 
     sock = socket.socket(fileno=fd)
+    try:
+        program, function = load(target)
+    except Exception as e:  # noqa: BLE001 - reported to chaos, which names the target
+        _send(sock, {"error": f"cannot load --target {target}: {type(e).__name__}: {e}"})
+        return
     _send(sock, {"ready": True})
     while True:
         try:
@@ -85,7 +173,7 @@ def serve(fd: int) -> None:
             return
         pid = os.fork()
         if pid == 0:
-            _child(sock, json.loads(data), fds[0])
+            _child(sock, json.loads(data), fds[0], program, function)
         os.close(fds[0])
         _send(sock, {"pid": pid})
         _, status = os.waitpid(pid, 0)
@@ -127,17 +215,20 @@ class WarmProcess:
 
 
 class ForkServer:
-    """Starts the server process and forks training processes through it, one at a time."""
+    """Starts the server process (which imports ``target``) and forks target processes through it, one at a
+    time. ``RuntimeError`` if the target cannot be loaded."""
 
-    def __init__(self) -> None:
+    def __init__(self, target: str = TRAIN_TARGET) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        code = f"from resumable.tools.forkserver import serve; serve({theirs.fileno()})"
+        code = f"from resumable.tools.forkserver import serve; serve({theirs.fileno()}, {target!r})"
         self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()],
                                       stdin=subprocess.DEVNULL)
         theirs.close()
         self._sock = ours
-        if not self.receive(block=True).get("ready"):
-            raise RuntimeError("the fork server did not start")
+        reply = self.receive(block=True)
+        if not reply.get("ready"):
+            self.close()
+            raise RuntimeError(reply.get("error") or "the fork server did not start")
 
     def receive(self, block: bool) -> dict | None:
         try:

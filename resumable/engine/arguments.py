@@ -1,0 +1,81 @@
+"""The arguments of :class:`~resumable.engine.run.Run` turned into the engine's parts: the module to
+checkpoint, the data source, the config as JSON records it, the budget and the save triggers."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .. import log
+from ..config import RunOptions, format_duration, parse_duration
+from .data import IndexBatches, LoaderBatches
+from .preemption import Budget, colab_default_limit_s, process_age_s
+from .triggers import SaveTriggers
+
+
+def plain_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose state dict is checkpointed: inside ``torch.compile`` (``_orig_mod``) and
+    ``DistributedDataParallel`` (``module``) wrappers, so keys carry no prefix and a checkpoint loads into the
+    plain model, with or without those wrappers, on any number of GPUs."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
+
+
+def json_value(value: Any, where: str) -> Any:
+    """``value`` as it comes back from JSON (tuples become lists, keys strings), so what is compared on resume
+    is what was recorded; a value JSON cannot encode is refused now, naming where it is."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [json_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                raise ValueError(f"{where} has a key {key!r} of type {type(key).__name__}; JSON keys are strings "
+                                 f"(use str keys)")
+            out[json.loads(json.dumps({key: None})).popitem()[0]] = json_value(item, f"{where}[{key!r}]")
+        return out
+    raise ValueError(f"{where} is a {type(value).__name__} ({value!r}), which JSON cannot record; pass a plain "
+                     f"value instead (e.g. str({value!r}))")
+
+
+def budget(options: RunOptions) -> Budget:
+    start = time.monotonic() - process_age_s()
+    if options.time_limit_s is not None:
+        return Budget(options.time_limit_s, start=start)
+    colab = colab_default_limit_s()
+    if colab is not None:
+        log.info(f"Colab detected: stopping cleanly after {format_duration(colab)} (before the 12 h VM limit, "
+                 f"counted from VM start); pass --time-limit to change it")
+        return Budget(colab)
+    return Budget(None)
+
+
+def triggers(options: RunOptions) -> SaveTriggers:
+    if options.checkpoint_every == "auto":
+        return SaveTriggers(options.checkpoint_steps, None, auto_mtbf_s=parse_duration(options.mtbf))
+    return SaveTriggers(options.checkpoint_steps, options.checkpoint_every_s)
+
+
+def as_source(data: Any, loader_options: dict[str, Any]) -> tuple[Any, int]:
+    if isinstance(data, IndexBatches):
+        return data, data.size
+    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+        return LoaderBatches(data, **loader_options), len(data)
+    raise TypeError(f"data must be a map-style Dataset (with __getitem__ and __len__) or resumable.IndexBatches, "
+                    f"not {type(data).__name__}")
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    parameter = next(iter(model.parameters()), None)
+    return parameter.device if parameter is not None else torch.device("cpu")

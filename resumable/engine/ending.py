@@ -1,0 +1,54 @@
+"""How a session ends: the last wait for Drive, and the summary lines that say what state the run is in."""
+
+from __future__ import annotations
+
+from .. import log
+from ..config import parse_duration
+from ..errors import EXIT_RESUME
+from ..storage.tiered import Mirror
+from .checkpointer import Checkpointer
+from .loop import Outcome
+from .state import TrainState
+
+
+def close_mirror(mirror: Mirror, flush_timeout: str, interrupted: bool) -> None:
+    """Training never waits on Drive, except here at exit, for at most --drive-flush-timeout (not at all
+    after a second Ctrl-C: the user wants out now, and what is committed locally goes up next time)."""
+    if interrupted:
+        mirror.close(timeout=0)  # stops before its next remote call; the file in flight may still land
+        log.warning(f"interrupted: not waiting for uploads to {mirror.remote.description}; checkpoints not yet "
+                    f"there are committed in {mirror.local.root} and go up at the next start")
+        return
+    pending = mirror.flush(parse_duration(flush_timeout))
+    if not mirror.close(timeout=parse_duration(flush_timeout)):  # nothing goes up once the lease is released
+        log.warning(f"an upload to {mirror.remote.description} is still running after --drive-flush-timeout; "
+                    f"it stops after its current file")
+    if pending:
+        log.warning(f"checkpoint(s) {', '.join(map(str, pending))} are committed locally in {mirror.local.root} "
+                    f"but not yet durable on {mirror.remote.description} after --drive-flush-timeout "
+                    f"{flush_timeout}; keep this machine up and run again, or raise the timeout")
+    if mirror.errors:
+        log.error(f"{len(mirror.errors)} upload(s) to {mirror.remote.description} failed ({mirror.errors[-1]}); "
+                  f"those checkpoints exist only in {mirror.local.root}")
+    elif mirror.durable:
+        log.info(f"mirrored to {mirror.remote.description}: newest durable checkpoint step {max(mirror.durable)}, "
+                 f"{mirror.bytes / 1e6:.1f} MB uploaded in {mirror.upload_s:.1f}s")
+
+
+def summarise(checkpointer: Checkpointer, state: TrainState, outcome: Outcome | None, lost: str | None,
+              run_dir: str) -> None:
+    log.info(checkpointer.writer.stats.summary())
+    if outcome is None or outcome.finished:
+        log.info(f"done at step {state.step}; newest checkpoint {checkpointer.manager.root / f'step-{state.step:09d}'}")
+        return
+    if outcome.reason == "save error":
+        latest, _ = checkpointer.manager.latest_valid()
+        log.info(f"stopped early (a checkpoint could not be written): the newest valid checkpoint is step "
+                 f"{latest.step if latest else 'none'}. Fix the cause (disk space, I/O errors), then run the "
+                 f"same command again to continue from it (exit code {EXIT_RESUME})")
+    elif outcome.reason == "lock lost":
+        log.error(f"stopped: {lost or 'the run dir lock was lost'}; nothing more was written. The other process "
+                  f"now owns {run_dir} (exit code {EXIT_RESUME})")
+    else:
+        log.info(f"stopped early ({outcome.reason}): state committed at step {state.step}. "
+                 f"Run the same command again to continue (exit code {EXIT_RESUME})")

@@ -1,0 +1,177 @@
+"""The run dir: where a run lives, who owns it, and which checkpoint a new session starts from.
+
+Opening a run dir resolves ``--run-dir`` (a local folder, a mounted Drive folder or ``gdrive://``), takes its
+lock (and the Drive lease) *before* anything in it is read or changed, brings a newer checkpoint back from
+Drive into the local cache, and picks the checkpoint to resume. Under DDP rank 0 does all of it and tells the
+other ranks; an error on rank 0 is raised on every rank instead of leaving them waiting.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import log
+from ..checkpoint import CheckpointInfo, CheckpointManager, checkpoints_dir
+from ..errors import NothingToResume, ResumableError, RunDirInUse
+from ..reporting.history import SESSIONS
+from ..reporting.metrics import METRICS
+from ..reporting.tensorboard import TENSORBOARD_DIR
+from ..storage import RunLocation, StorageError, open_run_location
+from ..storage.lease import DriveLease
+from ..storage.tiered import restore_newest
+from .distributed import Distributed
+from .lock import RunLock
+
+
+@dataclass
+class Choice:
+    """The checkpoint a session starts from (None: fresh), newer ones that failed verification, and the id
+    of the run (inherited from the checkpoint, new for a fresh start)."""
+
+    latest: CheckpointInfo | None
+    skipped: list[CheckpointInfo] = field(default_factory=list)
+    run_id: str = ""
+
+
+def choose_checkpoint(manager: CheckpointManager, run_dir: str, mode: str, overwrite: bool) -> Choice:
+    """The checkpoint to resume; modifies nothing.
+
+    ``mode``: ``auto`` resumes when there is a valid checkpoint, ``resume`` requires one, ``fresh`` starts over
+    (and needs ``overwrite`` to discard existing checkpoints)."""
+    committed = [i for i in manager.inspect(deep=False) if i.committed]
+    if mode == "fresh":
+        if committed and not overwrite:
+            raise RunDirInUse(f"{run_dir} already has {len(committed)} checkpoint(s) (newest step "
+                              f"{committed[-1].step}); --fresh would discard them. Add --overwrite to delete them, "
+                              f"or choose another --run-dir")
+        return Choice(None, [], uuid.uuid4().hex)
+    latest, skipped = manager.latest_valid()  # hashes newest-first, stops at the first valid one
+    if latest is not None:
+        run_id = (latest.manifest or {}).get("run_id")
+        return Choice(latest, skipped, run_id if isinstance(run_id, str) and run_id else uuid.uuid4().hex)
+    if mode == "resume":
+        found = "; ".join(f"step {i.step}: {i.reason}" for i in skipped[::-1]) or "no checkpoints at all"
+        raise NothingToResume(f"--resume needs a valid checkpoint in {manager.root}, found: {found}. "
+                              f"Run without --resume to start fresh")
+    if committed:
+        found = "; ".join(f"step {i.step}: {i.reason}" for i in skipped[::-1] if i.committed)
+        raise NothingToResume(f"{run_dir} has checkpoints but none is valid ({found}); refusing to start over "
+                              f"on top of them. Use --fresh --overwrite to discard them, or another --run-dir")
+    return Choice(None, [], uuid.uuid4().hex)
+
+
+class RunDir:
+    """One opened run dir. Rank 0 holds its lock (and Drive lease) from :meth:`open` to :meth:`release`."""
+
+    def __init__(self, name: str, location: RunLocation, lock: RunLock | None = None,
+                 lease: DriveLease | None = None) -> None:
+        self.name = name
+        self.location = location
+        self.lock = lock
+        self.lease = lease
+        self.taken_over: str | None = None  # the message when a stale lock/lease was taken over
+
+    @property
+    def local(self) -> Path:
+        return self.location.local_dir
+
+    @property
+    def remote(self):  # noqa: ANN201 - a RemoteStore or None
+        return self.location.remote
+
+    @property
+    def manager(self) -> CheckpointManager:
+        return CheckpointManager(checkpoints_dir(self.local))
+
+    @property
+    def lost(self) -> str | None:
+        """Why this process no longer owns the run dir (its lock or lease was taken over), if so."""
+        for owner in (self.lock, self.lease):
+            if owner is not None and owner.lost:
+                return owner.lost
+        return None
+
+    @classmethod
+    def open(cls, dist: Distributed, run_dir: str, cache_dir: str | None, credentials: str | None, mode: str,
+             overwrite: bool) -> tuple[RunDir, Choice]:
+        """Open and lock the run dir (rank 0), bring Drive's newest checkpoint back and pick the one to resume
+        (see :func:`choose_checkpoint`). Raises ResumableError on every rank if rank 0 cannot."""
+        if not dist.main:
+            chosen = dist.broadcast(None)
+            if isinstance(chosen, ResumableError):
+                raise chosen
+            return cls(run_dir, _location(run_dir, cache_dir, credentials)), chosen
+        opened: RunDir | None = None
+        try:
+            opened = cls(run_dir, _location(run_dir, cache_dir, credentials))
+            opened._claim()
+            if opened.taken_over:
+                log.info(opened.taken_over)
+            if opened.remote is not None and not (mode == "fresh" and overwrite):
+                opened._restore()
+            chosen = choose_checkpoint(opened.manager, run_dir, mode, overwrite)
+        except ResumableError as e:
+            if opened is not None:
+                opened.release()
+                opened._undo_create()
+            dist.broadcast(e)
+            raise
+        dist.broadcast(chosen)
+        return opened, chosen
+
+    def _claim(self) -> None:
+        """Take the lock, then the lease: nothing in the run dir is read or changed before."""
+        self._created = not self.local.exists()
+        self.lock = RunLock(self.local)
+        self.taken_over = self.lock.acquire()  # raises RunDirInUse
+        if self.remote is not None:
+            self.lease = DriveLease(self.remote)
+            try:
+                self.taken_over = self.lease.acquire() or self.taken_over
+            except StorageError as e:
+                raise ResumableError(f"cannot take the lease on {self.remote.description}: {e}") from e
+
+    def _restore(self) -> None:
+        log.info(f"run dir {self.name} is mirrored from a local cache in {self.local}")
+        try:
+            restore_newest(self.remote, self.manager, self.local, log.info)
+        except StorageError as e:
+            raise ResumableError(f"cannot look for checkpoints on {self.remote.description}: {e}. "
+                                 f"Nothing was changed; run again when it is reachable") from e
+
+    def reset(self) -> None:
+        """--fresh --overwrite: delete the checkpoints and logs, here and on Drive (under the lock)."""
+        self.manager.delete_all()
+        for name in (METRICS, SESSIONS):
+            (self.local / name).unlink(missing_ok=True)
+        shutil.rmtree(self.local / TENSORBOARD_DIR, ignore_errors=True)
+        if self.remote is not None:
+            for folder in [*self.remote.list_checkpoints(), TENSORBOARD_DIR]:
+                self.remote.delete_folder(folder)
+
+    def _undo_create(self) -> None:
+        """A start that was refused leaves no trace: remove the run dir if this start created it (empty)."""
+        if getattr(self, "_created", False):
+            try:
+                self.local.rmdir()
+            except OSError:
+                pass  # not empty (someone else's files), or gone: leave it
+
+    def release(self) -> None:
+        """Give the run dir up: the lease first (Drive), then the local lock."""
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def _location(run_dir: str, cache_dir: str | None, credentials: str | None) -> RunLocation:
+    try:
+        return open_run_location(run_dir, cache_dir, credentials)
+    except (StorageError, ValueError) as e:
+        raise ResumableError(str(e)) from e
