@@ -1,33 +1,148 @@
-"""One writer per run dir: a lock file naming its owner, with a heartbeat.
+"""One writer per run dir: a kernel lock held for the whole run, and a record that names its owner.
 
-Two notebooks training into one run dir would interleave checkpoints and metrics. The lock file
-``RUN_DIR/lock.json`` records pid, host, start time and a heartbeat refreshed by a background thread.
-A lock is stale, and is taken over with a message, when its pid is gone on this host, or when its
-heartbeat is older than ``stale_after_s`` (another host that died without a signal).
+Two notebooks training into one run dir would interleave checkpoints and metrics. On this host the truth is
+``flock(LOCK_EX | LOCK_NB)`` on ``RUN_DIR/.lock``: exactly one of any number of racing starts gets it, and the
+kernel drops it when its process ends however it ends, so a dead owner never blocks and no pid is judged.
+``RUN_DIR/lock.json`` beside it records pid, host, start time and a heartbeat (a background thread). It is a
+separate file because it is replaced atomically (temp file + ``os.replace``: never seen half-written), which
+gives it a new inode each time, while a flock belongs to one inode. The record serves the messages and the one
+case the kernel lock cannot see: a shared file system that does not carry flock between hosts, where another
+host's record holds until its heartbeat is older than ``stale_after_s``.
+
+Every record is parsed into a :class:`LockRecord` (types and ranges checked); a missing-field, wrong-typed,
+half-written, non-UTF-8 or non-regular one is :class:`Unreadable`, and the kernel lock alone decides. The Drive
+lease (storage/lease.py) uses the same record and staleness rules, without a kernel lock.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import math
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
+import weakref
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import RunDirInUse
+from .. import log
+from ..errors import ResumableError, RunDirInUse
 
 LOCK_FILE = "lock.json"
+KERNEL_LOCK_FILE = ".lock"
+PID_LIMIT = 1 << 22  # Linux's PID_MAX_LIMIT: no supported system hands out a larger pid
+_MAX_RECORD_BYTES = 64 * 1024  # a record is ~250 bytes; anything far larger is not one (and is not read whole)
+_MAX_TEXT = 256
+_NOFOLLOW = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)  # CLOEXEC: a spawned tool must not inherit the lock
 
 
-def _proc_start(pid: int) -> str | None:
-    """The kernel's start time of ``pid`` (Linux), so a recycled pid is not mistaken for the owner."""
+@dataclass(frozen=True)
+class LockRecord:
+    """A parsed, validated lock (or Drive lease) record."""
+
+    pid: int
+    host: str
+    heartbeat: float
+    token: str = ""  # written by every owner; records of older versions may lack it
+    started: str = ""
+    pid_start: str | None = None  # /proc start time of pid, so a recycled pid is not taken for the owner
+    released: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A record that exists but cannot be trusted; ``reason`` says why (for messages)."""
+
+    reason: str
+
+
+Owner = LockRecord | Unreadable
+
+
+def _show(value: object) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long to print
+        return "a huge number"
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def _text(data: dict[str, Any], name: str, default: str | None) -> str | None:
+    value = data.get(name, default)
+    if value is default or (isinstance(value, str) and len(value) <= _MAX_TEXT):
+        return value
+    raise ValueError(f"{name} {_show(value)} is not a short text")
+
+
+def parse_record(data: object) -> Owner:
+    """``data`` (decoded JSON) as a :class:`LockRecord`, or :class:`Unreadable` saying what is wrong."""
+    if not isinstance(data, dict):
+        return Unreadable(f"it holds {type(data).__name__}, not a record")
+    pid, host, heartbeat = data.get("pid"), data.get("host"), data.get("heartbeat")
+    released = data.get("released", False)
+    try:
+        if type(pid) is not int or not 0 < pid < PID_LIMIT:  # type(): True is an int, and not a pid
+            raise ValueError(f"pid {_show(pid)} is not a process id (1..{PID_LIMIT - 1})")
+        if not isinstance(host, str) or not host or len(host) > _MAX_TEXT:
+            raise ValueError(f"host {_show(host)} is not a host name")
+        if type(heartbeat) not in (int, float) or not math.isfinite(heartbeat) or heartbeat < 0:
+            raise ValueError(f"heartbeat {_show(heartbeat)} is not a time")
+        if type(released) is not bool:
+            raise ValueError(f"released {_show(released)} is not true or false")
+        token, started, pid_start = _text(data, "token", ""), _text(data, "started", ""), _text(data, "pid_start", None)
+    except ValueError as e:
+        return Unreadable(str(e))
+    return LockRecord(pid, host, float(heartbeat), token or "", started or "", pid_start, released)
+
+
+def parse_record_bytes(raw: bytes) -> Owner:
+    if not raw.strip():
+        return Unreadable("it is empty: a start that had not finished writing it, or a crash")
+    if len(raw) > _MAX_RECORD_BYTES:
+        return Unreadable("it is far larger than a lock record")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return Unreadable("it is not UTF-8 text")
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
+        return Unreadable("it is not valid JSON: half-written or damaged")
+    return parse_record(data)
+
+
+def read_record_file(path: Path) -> Owner | None:
+    """The record in ``path``; None when there is none. Opens only a regular file, never follows a symlink and
+    never blocks (a FIFO planted there would hang ``open``), and reads a bounded amount."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return Unreadable("it is not a regular file (a symlink, folder or device), so it was not opened")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
+    except FileNotFoundError:
+        return None  # released (or never written)
+    except OSError as e:
+        return Unreadable(f"it cannot be opened: {e.strerror or e}")
+    with os.fdopen(fd, "rb") as handle:
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped for something else after the lstat
+                return Unreadable("it is not a regular file, so it was not read")
+            return parse_record_bytes(handle.read(_MAX_RECORD_BYTES + 1))
+        except OSError as e:
+            return Unreadable(f"it cannot be read: {e.strerror or e}")
+
+
+def _proc_start(pid: int) -> str | None:  # Linux: so a recycled pid is not mistaken for the owner
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
             return handle.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+    except (OSError, IndexError, ValueError):
         return None
 
 
@@ -37,116 +152,268 @@ def _pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, owned by someone else
-        return True
+        pass
     return True
 
 
-def stale_reason(owner: dict[str, Any], host: str, stale_after_s: float) -> str | None:
-    """Why ``owner`` (a lock record) no longer holds its lock, or None if it does."""
-    if owner.get("released"):
+def stale_reason(owner: Owner, host: str, stale_after_s: float, now: float | None = None) -> str | None:
+    """Why ``owner`` no longer holds its lock or lease, judged from the record alone; None if it may."""
+    if isinstance(owner, Unreadable):
+        return f"its record is unreadable ({owner.reason})"
+    if owner.released:
         return "it was released"
-    if not owner.get("pid") or not owner.get("host"):
-        return "the lock file is unreadable"
-    if owner["host"] == host:
-        pid = int(owner["pid"])
-        if not _pid_alive(pid):
-            return f"process {pid} on this host is gone"
-        if owner.get("pid_start") and _proc_start(pid) not in (None, owner["pid_start"]):
-            return f"process {pid} on this host is gone (its pid now belongs to another process)"
+    if owner.host == host:
+        if not _pid_alive(owner.pid):
+            return f"process {owner.pid} on this host is gone"
+        if owner.pid_start and _proc_start(owner.pid) not in (None, owner.pid_start):
+            return f"process {owner.pid} on this host is gone (its pid now belongs to another process)"
         return None
-    age = time.time() - float(owner.get("heartbeat", 0))
+    age = (time.time() if now is None else now) - owner.heartbeat
     if age > stale_after_s:
         return f"its heartbeat is {age:.0f}s old"
+    if age < -stale_after_s:  # a heartbeat that could never age would hold the run dir for ever
+        return f"its heartbeat is {-age:.0f}s in the future (a damaged record, or that host's clock is far off)"
     return None
 
 
-def lock_record(token: str, host: str) -> dict[str, Any]:
-    return {"pid": os.getpid(), "pid_start": _proc_start(os.getpid()), "host": host, "token": token,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "heartbeat": time.time()}
+def lock_record(token: str, host: str) -> LockRecord:
+    return LockRecord(pid=os.getpid(), host=host, heartbeat=time.time(), token=token,
+                      started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), pid_start=_proc_start(os.getpid()))
 
 
-def in_use_message(where: str, owner: dict[str, Any]) -> str:
-    return (f"{where} is being trained by process {owner.get('pid')} on host {owner.get('host')} (started "
-            f"{owner.get('started')}); wait for it to finish or stop it, or use another --run-dir")
+def in_use_message(where: str, owner: Owner | None) -> str:
+    advice = "wait for it to finish or stop it, or use another --run-dir"
+    if isinstance(owner, LockRecord) and not owner.released:
+        return (f"{where} is being trained by process {owner.pid} on host {owner.host} (started "
+                f"{owner.started or 'at an unknown time'}); {advice}")
+    return f"{where} is being trained by another process (its record is not readable yet); {advice}"
+
+
+_HELD: weakref.WeakSet[RunLock] = weakref.WeakSet()
+
+
+def _drop_in_child() -> None:
+    """A forked child (a DataLoader worker) shares the parent's open lock file, and a flock lasts until every
+    copy is closed: a worker outliving a killed trainer would hold its run dir. The child closes its copy (the
+    parent's lock is unaffected) and owns nothing."""
+    for lock in list(_HELD):
+        if lock._fd is not None:
+            try:
+                os.close(lock._fd)
+            except OSError:
+                pass
+        lock._fd, lock._thread, lock._created = None, None, []
+        lock._stop.set()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_in_child)
 
 
 class RunLock:
+    """The lock of one local run dir, held from :meth:`acquire` to :meth:`release`::
+
+        lock = RunLock(Path("runs/demo"))
+        message = lock.acquire()  # None, or whose stale lock was taken over; raises RunDirInUse
+        ...
+        lock.release()
+    """
+
     def __init__(self, run_dir: Path, heartbeat_s: float = 30.0, stale_after_s: float = 180.0) -> None:
-        self.path = Path(run_dir) / LOCK_FILE
+        self.dir = Path(run_dir)
+        self.path = self.dir / LOCK_FILE
+        self.kernel_path = self.dir / KERNEL_LOCK_FILE
         self.heartbeat_s = heartbeat_s
         self.stale_after_s = stale_after_s
         self.token = uuid.uuid4().hex
         self.host = socket.gethostname()
+        self._fd: int | None = None  # the open file the kernel lock is on
+        self._created: list[Path] = []  # folders this lock created, deepest first: removed at release if empty
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost: str | None = None  # set when another process took the lock over: stop, write nothing more
 
-    def _record(self) -> dict[str, Any]:
-        return lock_record(self.token, self.host)
+    def _read(self) -> Owner | None:
+        return read_record_file(self.path)
 
-    def _read(self) -> dict[str, Any] | None:
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError):
-            return {}  # torn or garbage: treated as stale below
-        return data if isinstance(data, dict) else {}
-
-    def stale_reason(self, owner: dict[str, Any]) -> str | None:
-        return stale_reason(owner, self.host, self.stale_after_s)
+    def stale_reason(self, owner: Owner | dict[str, Any]) -> str | None:
+        """Why ``owner`` (a record, parsed or raw) no longer holds the lock, judged from the record alone."""
+        return stale_reason(parse_record(owner) if isinstance(owner, dict) else owner, self.host,
+                            self.stale_after_s)
 
     def acquire(self) -> str | None:
         """Take the lock; returns a message if a stale lock was taken over. Raises RunDirInUse."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(3):
+        self._make_dir()
+        for _ in range(20):
+            fd = self._open_kernel_lock()
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                owner = self._read()
-                if owner is None:
-                    continue  # released meanwhile
-                reason = self.stale_reason(owner)
-                if reason is None:
-                    raise RunDirInUse(in_use_message(str(self.path.parent), owner)) from None
-                tmp = self.path.with_name(f".{LOCK_FILE}.{self.token}")
-                tmp.write_text(json.dumps(self._record()), encoding="utf-8")
-                os.replace(tmp, self.path)
-                if (self._read() or {}).get("token") == self.token:
-                    self._start_heartbeat()
-                    return (f"took over the lock of {self.path.parent} from process {owner.get('pid')} on "
-                            f"{owner.get('host')}: {reason}")
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                self._remove_created()
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise RunDirInUse(self._held_message()) from None
+                raise ResumableError(f"cannot lock {self.kernel_path}: {e.strerror or e}. This file system does not "
+                                     f"support file locks; use a run dir on a local disk (or gdrive://)") from e
+            if not self._still_linked(fd):  # its owner released (and removed) it between our open and flock
+                os.close(fd)
                 continue
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(self._record(), handle)
-            self._start_heartbeat()
-            return None
-        raise RunDirInUse(f"could not take the lock {self.path}: another process keeps taking it")
+            self._fd = fd
+            _HELD.add(self)
+            try:
+                return self._claim()
+            except BaseException:
+                self._give_up(remove=True)
+                raise
+        raise RunDirInUse(f"could not take the lock {self.kernel_path}: other processes keep taking and releasing "
+                          f"it; run again")
 
-    def _start_heartbeat(self) -> None:
+    def _held_message(self) -> str:
+        owner = self._read()
+        if isinstance(owner, LockRecord) and self.stale_reason(owner) is None:
+            return in_use_message(str(self.dir), owner)
+        # The holder has not written its record yet: it is taking the lock over right now, or it is a process
+        # left behind by a killed run that still has the lock file open.
+        return (f"{self.dir} is locked by another process whose lock record is not written yet (a start in progress, "
+                f"or a process left behind by a killed run: `fuser {self.kernel_path}` names it); wait a moment and "
+                f"run again, or use another --run-dir")
+
+    def _make_dir(self) -> None:
+        missing, folder = [], self.dir.absolute()
+        while not os.path.lexists(folder) and folder.parent != folder:
+            missing.append(folder)
+            folder = folder.parent
+        self._created = missing
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self._remove_created()
+            raise ResumableError(f"cannot create the run dir {self.dir}: {e.strerror or e}; choose a run dir "
+                                 f"that can be created here") from e
+
+    def _open_kernel_lock(self) -> int:
+        try:
+            fd = os.open(self.kernel_path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _NOFOLLOW, 0o644)
+        except OSError as e:
+            self._remove_created()
+            raise ResumableError(f"cannot open the lock file {self.kernel_path}: {e.strerror or e}. It must be a "
+                                 f"regular file this user can write (not a symlink or folder): remove it, or use "
+                                 f"another --run-dir") from e
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ResumableError(f"the lock file {self.kernel_path} is not a regular file; remove it, or use another "
+                                 f"--run-dir")
+        return fd
+
+    def _still_linked(self, fd: int) -> bool:
+        try:
+            here = os.stat(self.kernel_path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(fd)
+        return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
+
+    def _claim(self) -> str | None:
+        """With the kernel lock held: judge the record left there, write ours, start the heartbeat."""
+        owner = self._read()
+        reason = None
+        if isinstance(owner, Unreadable):
+            reason = f"its record is unreadable ({owner.reason})"
+        elif isinstance(owner, LockRecord) and not owner.released:
+            reason = self.stale_reason(owner)
+            if owner.host == self.host:  # a live owner on this host would hold the kernel lock we now hold
+                reason = reason or f"process {owner.pid} on this host does not hold the lock any more"
+            elif reason is None:  # another host, on a file system that may not carry flock across hosts
+                raise RunDirInUse(f"{in_use_message(str(self.dir), owner)}. (Its heartbeat is "
+                                  f"{max(0.0, time.time() - owner.heartbeat):.0f}s old; a lock of another host is "
+                                  f"taken over after {self.stale_after_s:.0f}s without one.)")
+        try:
+            self._write(lock_record(self.token, self.host))
+        except OSError as e:
+            raise ResumableError(f"cannot write the lock record {self.path}: {e.strerror or e}. It must be a "
+                                 f"regular file (or absent) in a writable folder: fix it, or use another "
+                                 f"--run-dir") from e
         self._thread = threading.Thread(target=self._beat, name="resumable-lock", daemon=True)
         self._thread.start()
+        if reason is None:
+            return None
+        who = f"process {owner.pid} on {owner.host}" if isinstance(owner, LockRecord) else "an unknown owner"
+        return f"took over the lock of {self.dir} from {who}: {reason}"
+
+    def _write(self, record: LockRecord) -> None:
+        """Replace the record atomically: a reader sees the old one or the new one, never half of one."""
+        tmp = self.dir / f".{LOCK_FILE}.{self.token}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o644)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(json.dumps(record.to_json()).encode("utf-8"))
+            os.replace(tmp, self.path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def _beat(self) -> None:
+        failing = False
         while not self._stop.wait(self.heartbeat_s):
-            owner = self._read() or {}
-            if owner.get("token") != self.token:  # taken over: never write someone else's lock
-                self.lost = (f"the lock of {self.path.parent} was taken over by process {owner.get('pid')} on "
-                             f"{owner.get('host')}")
+            owner = self._read()
+            if not isinstance(owner, LockRecord):  # a writer that is not atomic may be half-way: look again
+                time.sleep(min(0.05, self.heartbeat_s))
+                owner = self._read()
+            if isinstance(owner, LockRecord) and owner.token != self.token:  # never write another owner's lock
+                self.lost = (f"the lock of {self.dir} was taken over by process {owner.pid} on {owner.host}")
                 return
-            record = {**owner, "heartbeat": time.time()}
-            tmp = self.path.with_name(f".{LOCK_FILE}.{self.token}")
-            tmp.write_text(json.dumps(record), encoding="utf-8")
-            os.replace(tmp, self.path)
+            # Ours, or gone or damaged while we hold the kernel lock: on this host we still own it, so repair it.
+            record = owner if isinstance(owner, LockRecord) else lock_record(self.token, self.host)
+            try:
+                self._write(replace(record, heartbeat=time.time()))
+                failing = False
+            except OSError as e:  # a full or read-only disk: training goes on, the next beat tries again
+                if not failing:
+                    log.warning(f"cannot refresh the lock record {self.path} ({e.strerror or e}); retrying at the "
+                                f"next heartbeat")
+                failing = True
 
     def release(self) -> None:
+        """Give the lock up (never raises): remove our record, then the lock file, then close it."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if (self._read() or {}).get("token") == self.token:
-            self.path.unlink(missing_ok=True)
+            self._thread = None
+        if self._fd is None:
+            return
+        try:
+            owner = self._read()
+            if isinstance(owner, LockRecord) and owner.token == self.token:
+                self.path.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning(f"cannot remove the lock record {self.path} ({e.strerror or e}); the next start takes it "
+                        f"over")
+        # Removing the lock file is safe only while we hold it: a process that opened it just before finds it
+        # unlinked after its flock (_still_linked) and tries again. A lost lock is the new owner's: left alone.
+        self._give_up(remove=self.lost is None)
 
-    def __enter__(self) -> RunLock:
+    def _give_up(self, remove: bool) -> None:
+        if remove:
+            try:
+                self.kernel_path.unlink(missing_ok=True)
+            except OSError:
+                pass  # a read-only disk: the file stays, unlocked, and the next start reuses it
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        _HELD.discard(self)
+        self._remove_created()
+
+    def _remove_created(self) -> None:
+        """A start that wrote nothing leaves no folder behind (only empty ones this lock created go)."""
+        for folder in self._created:
+            try:
+                folder.rmdir()
+            except OSError:
+                break  # not empty (the run wrote into it), or gone
+        self._created = []
+
+    def __enter__(self) -> RunLock:  # releases at exit; acquire() is explicit
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -2,7 +2,9 @@
 
 Drive has no atomic create, so the lease is written and read back after a short pause; a second writer
 that raced us is seen then. Two machines training one Drive run dir is the case this guards against
-(a notebook re-run on a new VM while the old VM still lives).
+(a notebook re-run on a new VM while the old VM still lives). Anyone who can write to the folder can write
+the lease, so it is parsed like the local lock record (engine/lock.py): an invalid one is unreadable, and an
+unreadable lease is taken over like a stale one.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
-from ..engine.lock import in_use_message, lock_record, stale_reason
+from ..engine.lock import LockRecord, Owner, in_use_message, lock_record, read_record_file, stale_reason
 from ..errors import RunDirInUse
 from .base import RemoteStore
 from .retry import MissingFile, StorageError
@@ -37,24 +39,24 @@ class DriveLease:
         self._thread: threading.Thread | None = None
         self.lost: str | None = None  # set when another machine took the lease over
 
-    def _read(self) -> dict[str, Any] | None:
+    def _read(self) -> Owner | None:
+        """The lease on Drive: None when there is none, :class:`Unreadable` when it is not a valid record."""
         with tempfile.TemporaryDirectory() as scratch:
             target = Path(scratch) / LEASE
             try:
                 self.remote.get_file("", LEASE, target)
             except MissingFile:
                 return None
-            try:
-                data = json.loads(target.read_text(encoding="utf-8"))
-            except ValueError:
-                return {}
-        return data if isinstance(data, dict) else {}
+            return read_record_file(target)
 
-    def _write(self, record: dict[str, Any]) -> None:
+    def _write(self, record: LockRecord) -> None:
         with tempfile.TemporaryDirectory() as scratch:
             source = Path(scratch) / LEASE
-            source.write_text(json.dumps(record), encoding="utf-8")
+            source.write_text(json.dumps(record.to_json()), encoding="utf-8")
             self.remote.put_file("", LEASE, source)
+
+    def _ours(self, owner: Owner | None) -> bool:
+        return isinstance(owner, LockRecord) and owner.token == self.token
 
     def acquire(self) -> str | None:
         """Take the lease; returns a message if a stale one was taken over. Raises RunDirInUse."""
@@ -66,22 +68,25 @@ class DriveLease:
                 raise RunDirInUse(in_use_message(self.remote.description, owner))
         self._write(lock_record(self.token, self.host))
         time.sleep(self.settle_s)
-        now = self._read() or {}
-        if now.get("token") != self.token:
+        now = self._read()
+        if not self._ours(now):
             raise RunDirInUse(in_use_message(self.remote.description, now))
         self._thread = threading.Thread(target=self._beat, name="resumable-lease", daemon=True)
         self._thread.start()
-        if owner is not None and not owner.get("released"):
-            return f"took over the lease of {self.remote.description} from {owner.get('host')}: {reason}"
+        if isinstance(owner, LockRecord) and owner.released:
+            return None
+        if owner is not None:
+            who = owner.host if isinstance(owner, LockRecord) else "an unknown owner"
+            return f"took over the lease of {self.remote.description} from {who}: {reason}"
         return None
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
                 owner = self._read()
-                if owner is not None and owner.get("token") not in (None, self.token):
-                    self.lost = (f"the lease of {self.remote.description} was taken over by {owner.get('host')} "
-                                 f"(process {owner.get('pid')})")
+                if isinstance(owner, LockRecord) and owner.token not in ("", self.token):
+                    self.lost = (f"the lease of {self.remote.description} was taken over by {owner.host} "
+                                 f"(process {owner.pid})")
                     return  # never overwrite the new owner's lease
                 self._write(lock_record(self.token, self.host))
             except StorageError:
@@ -92,7 +97,7 @@ class DriveLease:
         if self._thread is not None:
             self._thread.join()
         try:
-            if (self._read() or {}).get("token") == self.token:
-                self._write({**lock_record(self.token, self.host), "released": True})
+            if self._ours(self._read()):
+                self._write(replace(lock_record(self.token, self.host), released=True))
         except StorageError:
             pass  # it goes stale by itself
