@@ -1,17 +1,42 @@
-"""resumable: PyTorch training that survives being killed at any instant and resumes bit-identically."""
+"""resumable: PyTorch training that survives being killed at any instant and resumes bit-identically.
 
-from .checkpoint import CheckpointManager
-from .config import RunOptions, TrainConfig
-from .engine.checkpointer import Checkpointer
-from .engine.data import IndexBatches
-from .engine.distributed import Distributed, init_distributed
-from .engine.run import Run
-from .engine.sampler import ResumableSampler
-from .engine.state import Stateful, TrainState
-from .errors import ResumableError
-from .faults import Faults
+The public names are imported on first use (PEP 562), so ``resumable-train`` can install its signal handlers
+before ``import torch`` takes its seconds: a SIGTERM or Ctrl-C during start-up is then a clean stop too.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["CheckpointManager", "Checkpointer", "Distributed", "Faults", "IndexBatches", "ResumableError",
-           "ResumableSampler", "Run", "RunOptions", "Stateful", "TrainConfig", "TrainState", "__version__",
-           "init_distributed"]
+
+_PUBLIC = {
+    "CheckpointManager": "resumable.checkpoint",
+    "Checkpointer": "resumable.engine.checkpointer",
+    "Distributed": "resumable.engine.distributed",
+    "Faults": "resumable.faults",
+    "IndexBatches": "resumable.engine.data",
+    "ResumableError": "resumable.errors",
+    "ResumableSampler": "resumable.engine.sampler",
+    "Run": "resumable.engine.run",
+    "RunOptions": "resumable.config",
+    "Stateful": "resumable.engine.state",
+    "TrainConfig": "resumable.config",
+    "TrainState": "resumable.engine.state",
+    "init_distributed": "resumable.engine.distributed",
+}
+__all__ = sorted([*_PUBLIC, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'resumable' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next access is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

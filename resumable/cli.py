@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -12,7 +13,7 @@ from typing import Any
 
 import click
 
-from .config import AMP_MODES, DEVICES, LR_SCHEDULES, TrainConfig, parse_duration
+from .config import AMP_MODES, DEVICES, LR_SCHEDULES, SEED_MAX, TrainConfig, parse_duration, path_problem
 
 # click parameter name -> TrainConfig field, for options that map one to one.
 _CONFIG_OPTIONS = ("run_dir", "data_dir", "epochs", "max_steps", "batch_size", "lr", "seed", "device",
@@ -41,6 +42,26 @@ class Duration(click.ParamType):
         return str(value)
 
 
+class PositiveFinite(click.FloatRange):
+    """A float above 0 that is a number: click's FloatRange lets ``nan`` (every comparison is False) and ``inf``
+    through, and a nan learning rate trains to the end on NaN weights."""
+
+    name = "positive number"
+
+    def __init__(self) -> None:
+        super().__init__(min=0, min_open=True)
+
+    def convert(self, value, param, ctx):  # noqa: ANN001 - click's signature
+        number = super().convert(value, param, ctx)
+        if number != number or number in (float("inf"), float("-inf")):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+# Folder options checked up front (empty, too long for the file system) before anything is created.
+_PATH_OPTIONS = (("run_dir", "--run-dir"), ("data_dir", "--data-dir"), ("cache_dir", "--cache-dir"))
+
+
 def _writable_dir(path: str) -> bool:
     """True if ``path`` exists as a writable directory or could be created."""
     target = Path(path).absolute()
@@ -66,8 +87,8 @@ def _fail(message: str) -> None:
 @click.option("--max-steps", type=click.IntRange(min=0), default=None,
               help="Stop after this many optimizer steps in total (across resumes).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=TrainConfig.batch_size, show_default=True)
-@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=TrainConfig.lr, show_default=True)
-@click.option("--seed", type=click.IntRange(min=0), default=TrainConfig.seed, show_default=True)
+@click.option("--lr", type=PositiveFinite(), default=TrainConfig.lr, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0, max=SEED_MAX), default=TrainConfig.seed, show_default=True)
 @click.option("--device", type=click.Choice(DEVICES), default=TrainConfig.device, show_default=True)
 @click.option("--lr-schedule", type=click.Choice(LR_SCHEDULES), default=TrainConfig.lr_schedule,
               show_default=True, help="step: x0.7 each epoch; onecycle: OneCycleLR over the whole run.")
@@ -117,11 +138,21 @@ def train_command(ctx: click.Context, mode: str | None, overwrite: bool, **optio
     Kill it at any moment and run the same command again: it continues from the newest valid
     checkpoint and ends with the same weights as a run that was never interrupted.
     """
+    from .engine.preemption import install_startup_handlers
+
+    install_startup_handlers()  # first: a SIGTERM or Ctrl-C while torch imports is a clean stop, not a traceback
     explicit = {name: options[name] for name in _CONFIG_OPTIONS
                 if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT}
     explicit["run_dir"] = options["run_dir"]
     if overwrite and mode != "fresh":
         raise click.UsageError("--overwrite only makes sense with --fresh")
+    for name, flag in _PATH_OPTIONS:
+        value = options[name]
+        remote = name == "run_dir" and value.startswith("gdrive://")  # a Drive URL is checked where it is parsed
+        problem = None if value is None or remote else path_problem(value)
+        if problem:
+            shown = repr(value) if len(value) <= 80 else f"{value[:60]!r}... ({len(value)} characters)"
+            raise click.BadParameter(f"{shown} {problem}", param_hint=flag)
     if not options["run_dir"].startswith("gdrive://") and not _writable_dir(options["run_dir"]):
         raise click.BadParameter(f"{options['run_dir']!r} is not a writable directory (or cannot be created)",
                                  param_hint="--run-dir")
@@ -130,22 +161,59 @@ def train_command(ctx: click.Context, mode: str | None, overwrite: bool, **optio
     except ValueError as e:
         raise click.UsageError(str(e)) from e
 
-    from .errors import EXIT_INTERRUPTED, ResumableError  # heavy imports after cheap validation
-    from .tasks.train_mnist import train
+    from .errors import EXIT_INTERRUPTED, ResumableError
 
     try:
+        from .tasks.train_mnist import train  # heavy imports (torch) after cheap validation
+
         code = train(explicit, mode=mode or "auto", overwrite=overwrite).exit_code
     except ResumableError as e:  # the one place errors become exit codes (2: bad input, 75: run again)
-        click.echo(f"error: {e}", err=True)
-        sys.exit(e.exit_code)
+        _echo_err(f"error: {e}")
+        _exit(e.exit_code)
     except KeyboardInterrupt:
-        click.echo("interrupted; the newest committed checkpoint is intact — run the same command to "
-                   "continue", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+        _echo_err("interrupted; the newest committed checkpoint is intact — run the same command to continue")
+        _exit(EXIT_INTERRUPTED)
+    _exit(code)
+
+
+def _echo_err(message: str) -> None:
+    """A last message on stderr; its reader may be gone (a closed pipe, `| head`), which must not change the
+    exit code."""
+    try:
+        click.echo(message, err=True)
+    except OSError:
+        pass
+
+
+def _exit(code: int) -> None:
+    """Exit with ``code`` even when stderr's reader is gone: Python would otherwise fail flushing it at shutdown
+    and exit 120 with a BrokenPipeError."""
+    try:
+        sys.stderr.flush()
+    except OSError:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+        except (OSError, ValueError):
+            pass
     sys.exit(code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _LazyGroup(click.Group):
+    """A group whose heavy commands are imported only when asked for (click's lazy-loading pattern)."""
+
+    lazy_commands: dict[str, str] = {}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy_commands})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.lazy_commands and name not in self.commands:
+            module, _, attribute = self.lazy_commands[name].partition(":")
+            self.add_command(getattr(importlib.import_module(module), attribute), name)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """resumable: training that survives being killed. See `resumable-train --help` to train."""
 
@@ -175,7 +243,9 @@ def inspect(run_dir: str, as_json: bool, drive_credentials: str | None) -> None:
                     location.remote.get_file("", SESSIONS, Path(scratch) / SESSIONS)
                 sessions = read_sessions(Path(scratch))
         else:
-            entries = [i.to_json() for i in CheckpointManager(checkpoints_dir(run_dir)).inspect(deep=True)]
+            # A folder without a manifest is not a checkpoint (a save killed half-way): listed, never judged.
+            entries = [{**i.to_json(), "committed": i.committed, "format_version": i.format_version, "note": i.note}
+                       for i in CheckpointManager(checkpoints_dir(run_dir)).inspect(deep=True)]
             sessions = read_sessions(Path(run_dir))
     except StorageError as e:
         _fail(str(e))
@@ -192,7 +262,9 @@ def inspect(run_dir: str, as_json: bool, drive_credentials: str | None) -> None:
         created = _clock(entry["created"])
         size = f"{entry['size'] / 1e6:8.2f}MB" if entry.get("size") is not None else "-"
         status = ("durable on Drive" if entry.get("durable") else "valid") if entry["valid"] \
-            else f"INVALID: {entry['reason']}"
+            else "unfinished save (no manifest; ignored, removed at the next start)" \
+            if entry.get("committed") is False else f"INVALID: {entry['reason']}"
+        status += f" ({entry['note']})" if entry.get("note") else ""
         marker = "  <- latest valid" if entry is latest else ""
         epoch = entry["epoch"] if entry["epoch"] is not None else "-"
         click.echo(f"{entry['step']:>10} {epoch:>6} {created:>20} {size:>10}  {status}{marker}")
@@ -294,27 +366,37 @@ def drive_login(client_secrets: str, token: str | None) -> None:
 @main.command()
 @click.argument("run_dir", type=click.Path(file_okay=False))
 def verify(run_dir: str) -> None:
-    """Re-hash every checkpoint of RUN_DIR; exit 1 if the newest one is not valid."""
+    """Re-hash every checkpoint of RUN_DIR; exit 1 if the newest committed one is not valid.
+
+    A step folder without a manifest (a save killed half-way) is not a checkpoint: it is listed as an unfinished
+    save and not judged, since a start ignores it and removes it."""
     from .checkpoint import CheckpointManager, checkpoints_dir
 
     infos = CheckpointManager(checkpoints_dir(run_dir)).inspect(deep=True)
     for info in infos:
-        click.echo(f"step {info.step}: {'ok' if info.valid else 'INVALID: ' + str(info.reason)}")
-    if not infos:
-        _fail(f"no checkpoints in {checkpoints_dir(run_dir)}")
-    if not infos[-1].valid:
-        click.echo(f"newest checkpoint (step {infos[-1].step}) is not valid", err=True)
+        if not info.committed:
+            click.echo(f"step {info.step}: unfinished save (no manifest; ignored, removed at the next start)")
+        elif info.valid:
+            click.echo(f"step {info.step}: ok" + (f" ({info.note})" if info.note else ""))
+        else:
+            click.echo(f"step {info.step}: INVALID: {info.reason}")
+    committed = [info for info in infos if info.committed]
+    if not committed:
+        unfinished = f" (only {len(infos)} unfinished save(s))" if infos else ""
+        _fail(f"no checkpoints in {checkpoints_dir(run_dir)}{unfinished}")
+    if not committed[-1].valid:
+        fallback = next((i.step for i in reversed(committed) if i.valid), None)
+        then = (f"the next start resumes from step {fallback}, the newest valid one" if fallback is not None else
+                "no checkpoint is valid: start over with --fresh --overwrite, or use another --run-dir")
+        click.echo(f"newest checkpoint (step {committed[-1].step}) is not valid; {then}", err=True)
         sys.exit(1)
 
 
 def _register_commands() -> None:
-    from .tools.export import export_command
-    from .tools.launch import launch_command
-    from .tools.plot import plot_command
-
-    main.add_command(export_command)
-    main.add_command(launch_command)
-    main.add_command(plot_command)
+    # Imported when used: `resumable-train` and the light commands start without importing torch.
+    main.lazy_commands.update({"export": "resumable.tools.export:export_command",
+                               "torchrun": "resumable.tools.launch:launch_command",
+                               "plot": "resumable.tools.plot:plot_command"})
 
 
 _register_commands()

@@ -9,12 +9,20 @@ between sessions.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("none", "step", "onecycle")
 AMP_MODES = ("none", "bf16", "fp16")
+# torch takes seeds up to 2**64 - 1; 2**63 - 1 leaves room for the offset each DDP rank adds to the seed.
+SEED_MAX = 2**63 - 1
+# The longest duration accepted: far beyond any session, and well inside what threading timeouts take
+# (a longer wait raises OverflowError deep inside a join).
+DURATION_MAX_S = 366 * 24 * 3600.0
 
 # Fields whose change alters the computation; checked against the checkpoint on resume.
 COMPUTATION_FIELDS = ("task", "batch_size", "seed", "lr", "lr_schedule", "amp")
@@ -50,6 +58,8 @@ class RunOptions:
                  "must be 0 or more")
         _require(self.on_save_error in ("warn", "stop"), "on_save_error", self.on_save_error,
                  "must be warn or stop")
+        if self.cache_dir is not None:
+            _require_path("cache_dir", self.cache_dir)
         for name in ("checkpoint_every", "mtbf", "time_limit", "drive_flush_timeout"):
             value = getattr(self, name)
             if value is not None and not (name == "checkpoint_every" and value == "auto"):
@@ -97,8 +107,13 @@ class TrainConfig(RunOptions):
     def __post_init__(self) -> None:
         super().__post_init__()  # the engine's fields
         _require(self.batch_size >= 1, "batch_size", self.batch_size, "must be at least 1")
-        _require(self.lr > 0, "lr", self.lr, "must be positive")
-        _require(self.seed >= 0, "seed", self.seed, "must be 0 or more")
+        _require(_real(self.lr) and math.isfinite(self.lr) and self.lr > 0, "lr", self.lr,
+                 "must be a finite positive number")
+        _require(type(self.seed) is int and 0 <= self.seed <= SEED_MAX, "seed", self.seed,
+                 f"must be a whole number from 0 to {SEED_MAX} (2**63 - 1)")
+        if not self.run_dir.startswith("gdrive://"):  # a Drive URL is checked where it is parsed
+            _require_path("run_dir", self.run_dir)
+        _require_path("data_dir", self.data_dir)
         _require(self.device in DEVICES, "device", self.device, f"must be one of {', '.join(DEVICES)}")
         _require(self.lr_schedule in LR_SCHEDULES, "lr_schedule", self.lr_schedule,
                  f"must be one of {', '.join(LR_SCHEDULES)}")
@@ -130,6 +145,59 @@ def _require(ok: bool, field: str, value: Any, why: str) -> None:
         raise ValueError(f"{field}={value!r} {why}")
 
 
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _require_path(field: str, value: Any) -> None:
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    problem = path_problem(value) if isinstance(value, str) else "is not a path (a string)"
+    if problem:
+        raise ValueError(f"{field}={value!r} {problem}")
+
+
+def _pathconf(folder: Path, name: str, default: int) -> int:
+    try:
+        value = os.pathconf(folder, name)
+    except (OSError, ValueError):  # not known here (or not a folder): the usual Linux limits
+        return default
+    return value if value > 0 else default
+
+
+def path_problem(path: str) -> str | None:
+    """Why the folder ``path`` can never be created or used here, or None.
+
+    Checked before anything is created: an empty path would train into (or download MNIST into) the current
+    folder, and a name longer than the file system allows fails only later, half-way through a start. Each
+    new component is measured against ``NAME_MAX`` of the folder it would be created in, and the whole
+    against ``PATH_MAX``.
+    """
+    if not path.strip():
+        return "is empty; give a folder name such as runs/mnist (an empty path would mean the current folder)"
+    if "\0" in path:
+        return "contains a NUL byte, which no file name can hold"
+    target = Path(os.path.abspath(path))
+    try:
+        length = len(os.fsencode(str(target)))
+    except UnicodeEncodeError:
+        return "is not a valid file name on this system (it cannot be encoded)"
+    existing = target
+    while not os.path.lexists(existing) and existing.parent != existing:
+        existing = existing.parent
+    path_max = _pathconf(existing, "PC_PATH_MAX", 4096)
+    if length >= path_max:  # PATH_MAX counts the terminating NUL
+        return (f"is {length} bytes long as an absolute path; this file system allows at most {path_max - 1}. "
+                f"Use a shorter path")
+    name_max = _pathconf(existing, "PC_NAME_MAX", 255)
+    for part in target.relative_to(existing).parts:
+        size = len(os.fsencode(part))
+        if size > name_max:
+            return (f"has a folder name of {size} bytes ({part[:24]}...); this file system allows at most "
+                    f"{name_max} bytes per name. Use a shorter name")
+    return None
+
+
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
 
 
@@ -139,6 +207,8 @@ def parse_duration(text: str) -> float:
     >>> parse_duration("1h30m")
     5400.0
     """
+    if not isinstance(text, str):
+        raise ValueError(f"duration {text!r} is not a text; write it like '90s', '5m' or '1h30m'")
     source = text.strip().lower()
     if not source:
         raise ValueError("empty duration; use e.g. 90s, 5m or 1h30m")
@@ -149,17 +219,23 @@ def parse_duration(text: str) -> float:
     if seconds is None:
         seconds, number, seen = 0.0, "", ""
         for char in source:
-            if char.isdigit() or char == ".":
+            if char.isascii() and (char.isdigit() or char == "."):  # isdigit alone takes '²' and '٣'
                 number += char
-            elif char in _UNITS and number and char not in seen:
+            elif char in _UNITS and number and char not in seen and number.count(".") <= 1 and number != ".":
                 seconds += float(number) * _UNITS[char]
                 number, seen = "", seen + char
             else:
                 raise ValueError(f"duration {text!r} is not like 90s, 5m or 1h30m")
         if number:
             raise ValueError(f"duration {text!r} has a number without a unit (s, m or h) at the end")
+    # float() reads 'nan', 'inf' and overflows to inf: none of them is a duration (a NaN compares False with
+    # every deadline, so a nan interval would never fire and a nan time limit would never stop).
+    if not math.isfinite(seconds):
+        raise ValueError(f"duration {text!r} is not a finite number of seconds; use e.g. 90s, 5m or 1h30m")
     if seconds <= 0:
         raise ValueError(f"duration {text!r} must be positive")
+    if seconds > DURATION_MAX_S:
+        raise ValueError(f"duration {text!r} is longer than the longest accepted, 366 days (8784h)")
     return seconds
 
 

@@ -26,6 +26,9 @@ class ConfigMismatch(ResumableError):
                   "overwrite=True to discard it)" if api else
                   "omit the option to reuse the checkpoint's, or start over with --fresh --overwrite, or use "
                   "another --run-dir")
+        if api and field == "num_samples":  # new data arrived between sessions
+            advice = ("to continue this run with the changed dataset pass allow_data_change=True to Run (accepted "
+                      "at an epoch boundary), or start a new run dir")
         super().__init__(f"{field} differs from the checkpoint in {run_dir}: checkpoint {old!r}, now {new!r}. "
                          f"Resuming needs the same value: {advice}.")
 

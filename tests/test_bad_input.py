@@ -12,6 +12,7 @@ from test_resume import _listing, train
 
 from resumable.checkpoint import checkpoints_dir, fingerprint
 from resumable.checkpoint import format as fmt
+from resumable.checkpoint.manifest import seal
 from resumable.cli import train_command
 
 
@@ -23,7 +24,7 @@ def _rewrite_payload(step_dir: Path, change) -> None:
     manifest = json.loads((step_dir / fmt.MANIFEST).read_text())
     manifest["files"][fmt.PAYLOAD] = entry
     manifest["fingerprint"] = fingerprint(payload["model"], payload["optimizer"])
-    (step_dir / fmt.MANIFEST).write_text(json.dumps(manifest))
+    (step_dir / fmt.MANIFEST).write_text(json.dumps(seal(manifest)))
 
 
 def _extra_layer(payload) -> None:

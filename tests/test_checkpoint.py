@@ -132,7 +132,7 @@ def test_malicious_pickle_is_refused_and_never_runs(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     Evil.marker = marker
     manager = CheckpointManager(tmp_path / "ck")
-    info = manager.save(1, {"model": Evil()}, {"fingerprint": "x"})
+    info = manager.save(1, {"model": Evil()}, {"fingerprint": "0" * 64})
     assert manager.latest_valid()[0].step == 1  # its hashes match: only weights_only protects us
     with pytest.raises(UnsafeCheckpoint, match="refused"):
         manager.load(info)
@@ -141,6 +141,6 @@ def test_malicious_pickle_is_refused_and_never_runs(tmp_path: Path) -> None:
 
 def test_non_dict_payload_is_invalid(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path)
-    info = manager.save(1, [torch.zeros(1)], {"fingerprint": "x"})
+    info = manager.save(1, [torch.zeros(1)], {"fingerprint": "0" * 64})
     with pytest.raises(InvalidCheckpoint, match="not a checkpoint"):
         manager.load(info)

@@ -168,6 +168,7 @@ def test_malicious_newest_payload_is_refused_and_skipped(tiny_mnist: Path, tmp_p
     from test_checkpoint import Evil
 
     from resumable.checkpoint import format as fmt
+    from resumable.checkpoint.manifest import seal
 
     train(tmp_path, tiny_mnist, "--max-steps", "4", "--checkpoint-steps", "2")
     newest = checkpoints_dir(tmp_path) / "step-000000004"
@@ -175,7 +176,7 @@ def test_malicious_newest_payload_is_refused_and_skipped(tiny_mnist: Path, tmp_p
     entry = fmt.write_payload(newest, {"model": Evil()})  # a consistent manifest: only weights_only stops it
     manifest = json.loads((newest / "manifest.json").read_text())
     manifest["files"]["state.pt"] = entry
-    (newest / "manifest.json").write_text(json.dumps(manifest))
+    (newest / "manifest.json").write_text(json.dumps(seal(manifest)))  # re-sealed: only the payload is wrong
     output = train(tmp_path, tiny_mnist, "--max-steps", "6")
     assert "skipping checkpoint step 4" in output and "refused" in output
     assert "resuming from step 2" in output

@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 
+from . import paths
+
 FORMAT_NAME = "resumable-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest carries manifest_sha256 of its own body; 1 is still read
 MANIFEST = "manifest.json"
 PAYLOAD = "state.pt"
 TMP_MARK = ".tmp-"
@@ -52,7 +54,8 @@ def parse_step_dir(name: str) -> int | None:
     if not name.startswith("step-") or TMP_MARK in name:
         return None
     digits = name[len("step-"):]
-    return int(digits) if digits.isdigit() else None
+    # ASCII only: str.isdigit accepts "١٢٣" or "²", which int() reads or rejects; 19 digits fit a 64-bit step
+    return int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 19 else None
 
 
 def fsync_dir(path: Path) -> None:
@@ -84,11 +87,19 @@ def _tmp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
 
 
+def _create(tmp: Path, mode: str) -> io.IOBase:
+    """A new file at ``tmp`` for writing: whatever a killed save (or anyone) left there is unlinked first, and
+    O_EXCL | O_NOFOLLOW make sure the write never goes through a link planted at that name."""
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    return os.fdopen(fd, mode, **({"encoding": "utf-8"} if "b" not in mode else {}))
+
+
 def write_payload(directory: Path, obj: Any, name: str = PAYLOAD) -> dict[str, Any]:
     """torch.save ``obj`` to ``directory/name`` atomically; returns ``{"size", "sha256"}``."""
     final = directory / name
     tmp = _tmp_path(final)
-    with open(tmp, "wb") as handle:
+    with _create(tmp, "wb") as handle:
         writer = _HashingWriter(handle)
         try:
             torch.save(obj, writer)
@@ -108,7 +119,7 @@ def write_payload(directory: Path, obj: Any, name: str = PAYLOAD) -> dict[str, A
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     """Write JSON so that ``path`` holds either the old or the complete new content, never a mix."""
     tmp = _tmp_path(path)
-    with open(tmp, "w", encoding="utf-8") as handle:
+    with _create(tmp, "w") as handle:
         json.dump(data, handle, indent=2, sort_keys=True)
         handle.write("\n")
         handle.flush()
@@ -118,53 +129,73 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 
 
 def sha256_file(path: Path) -> str:
+    """sha256 of a regular file (anything else raises OSError: a FIFO would block, /dev/zero never end)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with paths.open_regular(path) as handle:
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
-    """Parse and sanity-check a manifest; raises InvalidCheckpoint naming the problem."""
-    path = directory / MANIFEST
-    if not path.is_file():
-        raise InvalidCheckpoint("no manifest.json (the save did not finish)")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidCheckpoint(f"manifest.json is unreadable ({e})") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        raise InvalidCheckpoint("manifest.json is not a resumable manifest")
-    version = manifest.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise InvalidCheckpoint(f"format version {version!r} is newer than this resumable understands "
-                                f"({FORMAT_VERSION}); upgrade resumable to load it")
-    if not isinstance(manifest.get("step"), int) or not isinstance(manifest.get("files"), dict):
-        raise InvalidCheckpoint("manifest.json lacks step or files")
-    return manifest
+    """Parse and validate a manifest (types, ranges, self-checksum: see manifest.py); returns its JSON object.
+    Raises InvalidCheckpoint naming the problem."""
+    from .manifest import read  # manifest.py builds on this module's names
+
+    return read(directory).body
 
 
 def verify_files(directory: Path, manifest: dict[str, Any], deep: bool = True) -> None:
-    """Check every listed file's size (and sha256 when ``deep``); raises InvalidCheckpoint."""
-    for name, expected in sorted(manifest["files"].items()):
-        path = directory / name
+    """Check every listed file's size (and sha256 when ``deep``); raises InvalidCheckpoint.
+
+    The manifest may come from anywhere (a shared folder, Drive), so its names must be plain names inside
+    ``directory`` and each file a regular file, checked before it is opened (see paths.py)."""
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise InvalidCheckpoint("manifest.json lists no files")
+    for name, expected in sorted(files.items(), key=lambda item: str(item[0])):
         try:
-            size = path.stat().st_size
-        except OSError:
+            path = directory / paths.plain_name(name, "manifest.json")
+        except paths.UnsafePath as e:
+            raise InvalidCheckpoint(str(e)) from None
+        if not isinstance(expected, dict):
+            raise InvalidCheckpoint(f"the manifest's entry for {name} is not an object with size and sha256")
+        try:
+            size = paths.regular_stat(path).st_size
+        except FileNotFoundError:
             raise InvalidCheckpoint(f"{name} is missing") from None
+        except paths.NotRegularFile as e:
+            raise InvalidCheckpoint(f"{name} is {e.kind}, not a regular file; only regular files are read") from None
+        except OSError as e:
+            raise InvalidCheckpoint(f"{name} cannot be read ({e})") from None
         if size != expected.get("size"):
             raise InvalidCheckpoint(f"{name} has {size} bytes, the manifest says {expected.get('size')}")
-        if deep and sha256_file(path) != expected.get("sha256"):
+        if not deep:
+            continue
+        try:
+            digest = sha256_file(path)
+        except paths.NotRegularFile as e:  # swapped after the check above
+            raise InvalidCheckpoint(f"{name} is {e.kind}, not a regular file; only regular files are read") from None
+        except OSError as e:
+            raise InvalidCheckpoint(f"{name} cannot be read ({e})") from None
+        if digest != expected.get("sha256"):
             raise InvalidCheckpoint(f"{name} does not match its sha256 (the file is corrupt)")
 
 
 def load_payload(path: Path) -> Any:
-    """Load a payload with ``weights_only=True``; anything needing arbitrary unpickling is refused."""
+    """Load a payload with ``weights_only=True``; anything needing arbitrary unpickling is refused.
+
+    Only a regular file is loaded: it is opened with the path policy's checks (paths.open_regular) and torch
+    maps that very file through /proc/self/fd, so a FIFO or link swapped in meanwhile is never read."""
     try:
-        # mmap: the payload's pages are shared by every process that loads it (N DDP ranks hold one copy)
-        # and only the pages a tensor is copied from are read.
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        with paths.open_regular(path) as handle:
+            # mmap: the payload's pages are shared by every process that loads it (N DDP ranks hold one copy)
+            # and only the pages a tensor is copied from are read; the mapping outlives the descriptor.
+            return torch.load(paths.fd_path(handle.fileno(), path), map_location="cpu", weights_only=True,
+                              mmap=True)
+    except paths.NotRegularFile as e:
+        raise InvalidCheckpoint(f"{path.name} is {e.kind}, not a regular file; only regular files are read") \
+            from None
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpoint(f"{path} needs arbitrary unpickling to load and was refused for safety "
                                f"({str(e).splitlines()[0]})") from e

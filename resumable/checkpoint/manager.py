@@ -7,9 +7,9 @@ checkpoint's manifest first, so a prune interrupted half-way never leaves a dire
 
 from __future__ import annotations
 
+import math
 import os
 import platform
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +19,9 @@ import torch
 
 from ..faults import NO_FAULTS, Faults
 from . import format as fmt
+from . import paths
+from .manifest import note as manifest_note
+from .manifest import seal
 from .retention import Candidate, steps_to_prune
 from .state_format import StateFormat, TorchFile
 
@@ -44,25 +47,42 @@ class CheckpointInfo:
     def _get(self, key: str) -> Any:
         return (self.manifest or {}).get(key)
 
+    # The manifest was validated when read (manifest.py); the type checks here keep the properties safe for a
+    # CheckpointInfo built from an unchecked dict (e.g. a remote listing), where a bad value reads as unknown.
     @property
     def epoch(self) -> int | None:
-        return self._get("epoch")
+        return _integer(self._get("epoch"))
 
     @property
     def created(self) -> float | None:
-        return self._get("created_unix")
+        value = self._get("created_unix")
+        return float(value) if _finite(value) else None
 
     @property
     def fingerprint(self) -> str | None:
-        return self._get("fingerprint")
+        value = self._get("fingerprint")
+        return value if isinstance(value, str) else None
 
     @property
     def test_acc(self) -> float | None:
-        return (self._get("metrics") or {}).get("test_acc")
+        metrics = self._get("metrics")
+        value = metrics.get("test_acc") if isinstance(metrics, dict) else None
+        return float(value) if _finite(value) else None
 
     @property
     def size(self) -> int:
-        return sum(f.get("size", 0) for f in (self._get("files") or {}).values())
+        files = self._get("files")
+        entries = files.values() if isinstance(files, dict) else ()
+        return sum(_integer(e.get("size")) or 0 for e in entries if isinstance(e, dict))
+
+    @property
+    def format_version(self) -> int | None:
+        return _integer(self._get("format_version"))
+
+    @property
+    def note(self) -> str | None:
+        """Why a valid checkpoint is checked less than a current one (a format 1 manifest), or None."""
+        return manifest_note(self.manifest) if self.valid else None
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "epoch": self.epoch, "valid": self.valid, "reason": self.reason,
@@ -79,16 +99,32 @@ class CheckpointManager:
         self.faults = faults
 
     # -- listing and validation -------------------------------------------------------------------
-    def step_dirs(self) -> list[tuple[int, Path]]:
-        """Every ``step-*`` directory, oldest first by step number."""
+    def _step_entries(self) -> list[tuple[int, Path]]:
+        """Every entry named ``step-N`` in the root, whatever it is, oldest first."""
         if not self.root.is_dir():
             return []
         found = []
         for entry in self.root.iterdir():
             step = fmt.parse_step_dir(entry.name)
-            if step is not None and entry.is_dir():
+            if step is not None:
                 found.append((step, entry))
         return sorted(found)
+
+    def step_dirs(self) -> list[tuple[int, Path]]:
+        """Every ``step-*`` directory, oldest first by step number.
+
+        Only real directories: a symlink named like a step dir points outside the run dir, and listing it would
+        make retention delete (and resume read) files there. It is reported once and removed, as a link only, by
+        the next start's :meth:`cleanup_incomplete`."""
+        found = []
+        for step, entry in self._step_entries():
+            if paths.is_real_dir(entry):
+                found.append((step, entry))
+            else:
+                paths.warn_once(f"step-entry:{entry}", f"{entry} is {paths.kind_of(entry)}, not a checkpoint "
+                                f"directory: ignored (the next start removes it; a link is removed itself, never "
+                                f"what it points to)")
+        return found
 
     def check(self, step: int, path: Path, deep: bool = True) -> CheckpointInfo:
         try:
@@ -121,6 +157,8 @@ class CheckpointManager:
         """Write and commit the checkpoint of ``step``; returns it once the manifest is durable."""
         self.root.mkdir(parents=True, exist_ok=True)
         directory = self.root / fmt.step_dir_name(step)
+        if os.path.lexists(directory) and not paths.is_real_dir(directory):
+            paths.remove_entry(directory)  # a link there would make this save write outside the run dir
         directory.mkdir(exist_ok=True)
         manifest_path = directory / fmt.MANIFEST
         if manifest_path.exists():
@@ -129,7 +167,7 @@ class CheckpointManager:
             fmt.fsync_dir(directory)
         files = self.state_format.write(directory, payload)
         self.faults.before_commit()
-        manifest = {
+        manifest = seal({
             **meta,
             "format": fmt.FORMAT_NAME,
             "format_version": fmt.FORMAT_VERSION,
@@ -139,7 +177,8 @@ class CheckpointManager:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "torch_version": torch.__version__,
             "python_version": platform.python_version(),
-        }
+            **({"metrics": _plain_metrics(meta["metrics"])} if isinstance(meta.get("metrics"), dict) else {}),
+        })  # sealed last: manifest_sha256 covers every field above
         fmt.write_json_atomic(manifest_path, manifest)
         fmt.fsync_dir(self.root)
         return CheckpointInfo(step, directory, manifest)
@@ -148,21 +187,26 @@ class CheckpointManager:
         return self.state_format.read(info.path, info.manifest or {})
 
     def cleanup_incomplete(self) -> list[Path]:
-        """Remove temp files and step directories a killed save left without a manifest."""
+        """Remove temp files and step directories a killed save left without a manifest, and ``step-N`` entries
+        that are not directories (a symlink is removed itself, and said; nothing it points to changes)."""
         removed: list[Path] = []
         if not self.root.is_dir():
             return removed
         for entry in self.root.iterdir():
-            if fmt.TMP_MARK in entry.name and entry.is_file():
-                entry.unlink()
+            if fmt.TMP_MARK in entry.name:  # a temp file, or a scratch folder of a Drive listing (tiered.py)
+                paths.remove_entry(entry)
                 removed.append(entry)
-        for _, path in self.step_dirs():
+        for _, path in self._step_entries():
+            if not paths.is_real_dir(path):
+                paths.remove_entry(path)
+                removed.append(path)
+                continue
             for entry in path.iterdir():
                 if fmt.TMP_MARK in entry.name:
-                    entry.unlink()
+                    paths.remove_entry(entry)
                     removed.append(entry)
-            if not (path / fmt.MANIFEST).exists():
-                shutil.rmtree(path)
+            if not os.path.lexists(path / fmt.MANIFEST):
+                paths.remove_tree(path)
                 removed.append(path)
         return removed
 
@@ -176,16 +220,34 @@ class CheckpointManager:
         return doomed
 
     def delete(self, path: Path) -> None:
-        """Delete one checkpoint, manifest first, so a half-deleted directory is never valid."""
-        manifest = path / fmt.MANIFEST
-        if manifest.exists():
-            manifest.unlink()
-            fmt.fsync_dir(path)
-        shutil.rmtree(path)
+        """Delete one checkpoint, manifest first, so a half-deleted directory is never valid. Never follows a
+        symlink: one at ``path`` is removed itself (and said), its target is outside the run dir."""
+        if not paths.is_real_dir(path):
+            paths.remove_entry(path)
+            return
+        # Through a no-follow descriptor of the step dir: a link swapped in meanwhile cannot redirect the unlink.
+        if not paths.is_real_dir(path / fmt.MANIFEST):
+            paths.unlink_in_dir(path, fmt.MANIFEST)
+        paths.remove_tree(path)
 
     def delete_all(self) -> None:
-        for _, path in reversed(self.step_dirs()):
+        """Every ``step-N`` entry (--fresh --overwrite): directories deleted, links removed as links."""
+        for _, path in reversed(self._step_entries()):
             self.delete(path)
+
+
+def _integer(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _plain_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Metrics as the manifest may hold them: a NaN loss or a non-numeric metric of a user's evaluate() is
+    recorded as null (metrics.jsonl keeps the value), so it never makes the checkpoint unreadable."""
+    return {str(k): v if _finite(v) else None for k, v in metrics.items()}
 
 
 def describe_age(created: float | None) -> str:

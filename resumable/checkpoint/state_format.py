@@ -5,14 +5,38 @@ The manager owns the commit protocol (step directory, manifest written last, ret
 Format 1 is :class:`TorchFile`: one ``state.pt`` (``torch.save`` of plain containers and tensors, loaded
 with ``weights_only=True`` and memory-mapped, so N ranks reading one checkpoint share its pages). A sharded
 safetensors format, or a ``torch.distributed.checkpoint`` writer, plugs in here.
+
+A payload whose sha256 matches its manifest can still be hostile: pickle's memo lets 1 KB describe a list
+of lists that references one list twice at every level, 2^60 leaves when walked, and everything after the
+load (fingerprint, ``load_state_dict``) walks it as a tree. So :func:`check_structure` measures the payload
+*as a tree* before anything walks it, in time proportional to its distinct containers, and refuses one that
+is too large, nested too deeply or cyclic. Legitimate payloads do share containers (a synchronous save
+references the RNG dict from ``rng`` and ``ranks[0]``; Adam's param groups share one ``betas`` tuple), so
+sharing itself is allowed: only the size a walk would pay is bounded.
+
+Loading has a time bound (``RESUMABLE_LOAD_TIMEOUT_S``, default 600 s), checked between the steps of reading
+a checkpoint; ``torch.load`` itself cannot be interrupted, so the bound is noticed right after it returns.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 from . import format as fmt
+
+LOAD_TIMEOUT_ENV = "RESUMABLE_LOAD_TIMEOUT_S"
+DEFAULT_LOAD_TIMEOUT_S = 600.0
+# Far above a real payload (a GPT-2 state with Adam is ~2,000 containers and tensors; tensors count once),
+# far below what would hang: walking 10 million nodes takes seconds.
+MAX_NODES = 10_000_000
+# The engine's own walkers (fingerprint, snapshot, load_state_dict) recurse; Python stops at ~1000 frames.
+MAX_DEPTH = 100
+_CONTAINERS = (dict, list, tuple, set, frozenset)
 
 
 class StateFormat(Protocol):
@@ -27,16 +51,122 @@ class StateFormat(Protocol):
         ...
 
 
+def load_timeout_from_env() -> float:
+    raw = os.environ.get(LOAD_TIMEOUT_ENV)
+    if raw is None or raw == "":
+        return DEFAULT_LOAD_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{LOAD_TIMEOUT_ENV}={raw!r} is not a number of seconds > 0; unset it for the default "
+                         f"{DEFAULT_LOAD_TIMEOUT_S:.0f}")
+    return value
+
+
+class Deadline:
+    """The time bound of loading one checkpoint; :meth:`check` says which file it was on when exceeded."""
+
+    def __init__(self, seconds: float, directory: Path, clock=time.monotonic) -> None:  # noqa: ANN001 - a clock
+        self.seconds, self.directory, self.clock = seconds, directory, clock
+        self.end = clock() + seconds
+
+    def check(self, name: str, doing: str) -> None:
+        if self.clock() > self.end:
+            raise fmt.InvalidCheckpoint(
+                f"loading took longer than {self.seconds:g}s (on {name}, {doing}); the file system may be "
+                f"stalled or the payload hostile. Set {LOAD_TIMEOUT_ENV} to allow more time if it is just slow")
+
+
+def _children(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield key
+            yield value
+    else:
+        yield from obj
+    extra = getattr(obj, "__dict__", None)  # an OrderedDict state_dict's _metadata travels in the payload too
+    if isinstance(extra, dict) and extra:
+        yield from extra.values()
+
+
+def check_structure(obj: Any, name: str = fmt.PAYLOAD, deadline: Deadline | None = None,
+                    max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH) -> int:
+    """The number of nodes a walk of ``obj`` as a tree visits (containers and leaves; a tensor is one leaf).
+
+    Raises InvalidCheckpoint ("payload structure ...") when that exceeds ``max_nodes``, nesting exceeds
+    ``max_depth`` or a container contains itself. Iterative, and each distinct container is expanded once (its
+    tree size memoised by ``id``), so a memo bomb costs what its few distinct lists cost, not 2^60."""
+    sizes: dict[int, int] = {}  # id -> tree size of a container already measured (all alive inside ``obj``)
+    if not isinstance(obj, _CONTAINERS):
+        return 1
+    on_path = {id(obj)}
+    stack: list[tuple[Any, Iterator[Any], int]] = [(obj, _children(obj), 1)]  # (container, children, size so far)
+    steps = 0
+    while stack:
+        steps += 1
+        if deadline is not None and steps % 65536 == 0:
+            deadline.check(name, "checking its structure")
+        container, children, size = stack[-1]
+        child = next(children, _END)
+        if child is _END:
+            stack.pop()
+            on_path.discard(id(container))
+            sizes[id(container)] = size
+            if stack:
+                parent, parent_children, parent_size = stack[-1]
+                stack[-1] = (parent, parent_children, _add(parent_size, size, name, max_nodes))
+            continue
+        if not isinstance(child, _CONTAINERS):
+            stack[-1] = (container, children, _add(size, 1, name, max_nodes))
+        elif id(child) in sizes:  # shared: a walk pays its whole subtree again
+            stack[-1] = (container, children, _add(size, sizes[id(child)], name, max_nodes))
+        elif id(child) in on_path:
+            raise fmt.InvalidCheckpoint(f"{name}: payload structure is cyclic (a {type(child).__name__} contains "
+                                        f"itself); resumable never writes one, so the file is damaged or hostile")
+        elif len(stack) >= max_depth:
+            raise fmt.InvalidCheckpoint(f"{name}: payload structure is nested more than {max_depth} levels deep; "
+                                        f"resumable's payloads are a few levels deep, so the file is damaged or "
+                                        f"hostile")
+        else:
+            on_path.add(id(child))
+            stack.append((child, _children(child), 1))
+    return sizes[id(obj)]
+
+
+_END = object()
+
+
+def _add(total: int, more: int, name: str, max_nodes: int) -> int:
+    total += more
+    if total > max_nodes:
+        raise fmt.InvalidCheckpoint(f"{name}: payload structure would have more than {max_nodes:,} nodes when walked "
+                                    f"(containers shared many times: a pickle memo bomb, or damage); refused before "
+                                    f"anything walks it")
+    return total
+
+
 class TorchFile:
-    """Format 1: the whole state in one ``state.pt``."""
+    """Format 1: the whole state in one ``state.pt``.
+
+    ``load_timeout_s``: the time bound of :meth:`read` (default: ``$RESUMABLE_LOAD_TIMEOUT_S``, else 600 s)."""
 
     name = "torch-file"
+
+    def __init__(self, load_timeout_s: float | None = None) -> None:
+        if load_timeout_s is not None and not (load_timeout_s > 0 and math.isfinite(load_timeout_s)):
+            raise ValueError(f"load_timeout_s={load_timeout_s!r} must be a number of seconds > 0")
+        self.load_timeout_s = load_timeout_from_env() if load_timeout_s is None else float(load_timeout_s)
 
     def write(self, directory: Path, state: dict[str, Any]) -> dict[str, dict[str, Any]]:
         return {fmt.PAYLOAD: fmt.write_payload(directory, state)}
 
     def read(self, directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+        deadline = Deadline(self.load_timeout_s, directory)
         payload = fmt.load_payload(directory / fmt.PAYLOAD)
+        deadline.check(fmt.PAYLOAD, "in torch.load")  # torch.load cannot be interrupted: checked once it returns
         if not isinstance(payload, dict):
             raise fmt.InvalidCheckpoint(f"{directory} holds a {type(payload).__name__}, not a checkpoint")
+        check_structure(payload, fmt.PAYLOAD, deadline)
         return payload

@@ -17,6 +17,7 @@ import torch
 
 from .. import log
 from ..checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, fingerprint
+from ..checkpoint import format as fmt
 from ..checkpoint.snapshot import Snapshotter
 from ..checkpoint.writer import CheckpointWriter
 from ..errors import ConfigMismatch, NothingToResume, ResumableError, StateNotLoadable
@@ -57,8 +58,9 @@ def check_loadable(name: str, state: Any) -> None:
             f"with .item() or torch.from_numpy)") from e
 
 
-def check_computation(saved: dict[str, Any], current: dict[str, Any], run_dir: str, api: bool) -> None:
-    for key in sorted(set(saved) | set(current)):
+def check_computation(saved: dict[str, Any], current: dict[str, Any], run_dir: str, api: bool,
+                      ignore: frozenset[str] = frozenset()) -> None:
+    for key in sorted((set(saved) | set(current)) - ignore):
         default = "none" if key == "amp" else None  # checkpoints from before --amp existed
         if saved.get(key, default) != current.get(key, default):
             raise ConfigMismatch(key, saved.get(key, default), current.get(key, default), run_dir, api=api)
@@ -151,7 +153,11 @@ class Checkpointer:
             meta["fingerprint"] = fingerprint(payload["model"], payload["optimizer"])
             if self.before_commit is not None:
                 self.before_commit()
-            info = self.manager.save(step, payload, meta)
+            try:
+                info = self.manager.save(step, payload, meta)
+            except BaseException:
+                self._discard_unfinished(step)  # a disk full for a while gets its space back for the next save
+                raise
             try:
                 self.manager.prune(self.keep, self.keep_best)
             except OSError as e:  # the new checkpoint is committed; a failed prune only leaves extra ones
@@ -165,6 +171,34 @@ class Checkpointer:
         self.last_saved_step = step
         if wait:
             self.writer.wait()
+
+    def _discard_unfinished(self, step: int) -> None:
+        """After a failed save: remove its temp files and its step dir, if it has no manifest (best effort; the
+        next start's cleanup catches what is left). A symlinked step dir is never followed."""
+        directory = self.manager.root / fmt.step_dir_name(step)
+        try:
+            if directory.is_symlink() or not directory.is_dir() or (directory / fmt.MANIFEST).exists():
+                return
+            for entry in directory.iterdir():
+                if entry.is_file() or entry.is_symlink():
+                    entry.unlink()
+            directory.rmdir()
+        except OSError as e:
+            log.warning(f"could not remove the unfinished save {directory} ({e}); the next start removes it")
+
+    def check_room(self) -> None:
+        """At start: refuse to train when the disk cannot hold one more checkpoint (the last one's size), with
+        the figures, instead of failing every save (nothing is changed)."""
+        if not self._last_size:
+            return
+        try:
+            free = shutil.disk_usage(self.manager.root).free
+        except OSError:
+            return
+        if free < self._last_size:
+            raise ResumableError(f"{self.manager.root} has {free / 1e6:.1f} MB free and a checkpoint needs "
+                                 f"{self._last_size / 1e6:.1f} MB: free some space (or lower --keep) and run again; "
+                                 f"nothing was changed")
 
     def _check_free_space(self) -> None:
         """Warn before a save that will probably hit ENOSPC (the last checkpoint's size is the estimate)."""
@@ -209,6 +243,7 @@ class Checkpointer:
         missing = sorted(expected - set(payload))
         if missing:
             raise InvalidCheckpoint(f"payload lacks {missing}")
+        self._check_fits(payload)  # before it is walked (fingerprint) or loaded into anything
         if fingerprint(payload["model"], payload["optimizer"]) != info.fingerprint:
             raise InvalidCheckpoint("payload does not match the manifest's training-state fingerprint")
         rng, counters = self._my_rank_state(payload)
@@ -228,6 +263,36 @@ class Checkpointer:
         self.resumed_from = info
         self._last_size = info.size  # the free-space check has an estimate from the first save on
 
+    def _check_fits(self, payload: dict[str, Any]) -> None:
+        """The saved model and optimizer state must have the live objects' structure: the model's keys, shapes
+        and dtypes, the optimizer's parameter groups and their sizes. Otherwise this checkpoint is invalid
+        (raised before anything is modified; an older one may fit)."""
+        model, saved = self.objects["model"], payload["model"]
+        if isinstance(model, torch.nn.Module):
+            live = model.state_dict()
+            if not isinstance(saved, dict):
+                raise InvalidCheckpoint(f"its model state is a {type(saved).__name__}: it does not fit this model")
+            missing, extra = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
+            if missing or extra:
+                raise InvalidCheckpoint(f"its model state does not fit this model (missing {missing[:3]}, "
+                                        f"unexpected {extra[:3]})")
+            for key, tensor in live.items():
+                other = saved[key]
+                if not isinstance(other, torch.Tensor) or (other.shape, other.dtype) != (tensor.shape, tensor.dtype):
+                    found = (f"{tuple(other.shape)} {other.dtype}" if isinstance(other, torch.Tensor)
+                             else type(other).__name__)
+                    raise InvalidCheckpoint(f"its model state does not fit this model ({key}: checkpoint {found}, "
+                                            f"this model {tuple(tensor.shape)} {tensor.dtype})")
+        optimizer, saved_opt = self.objects["optimizer"], payload["optimizer"]
+        groups = getattr(optimizer, "param_groups", None)
+        if isinstance(groups, list) and isinstance(saved_opt, dict):
+            saved_groups = saved_opt.get("param_groups")
+            sizes = [len(g["params"]) for g in groups]
+            if not isinstance(saved_groups, list) or [len(g.get("params", ())) if isinstance(g, dict) else -1
+                                                      for g in saved_groups] != sizes:
+                raise InvalidCheckpoint(f"its optimizer state does not fit this optimizer (parameter groups of "
+                                        f"sizes {sizes} here)")
+
     def _restore_modes(self, modes: Any) -> None:
         if not isinstance(self.modules, torch.nn.Module) or not isinstance(modes, list):
             return
@@ -237,7 +302,7 @@ class Checkpointer:
                 module.training = bool(training)
 
     def resume(self, latest: CheckpointInfo, skipped: list[CheckpointInfo], computation: dict[str, Any],
-               run_dir: str, api: bool) -> CheckpointInfo:
+               run_dir: str, api: bool, ignore: frozenset[str] = frozenset()) -> CheckpointInfo:
         """Restore the newest checkpoint that verifies and loads, warning about each one skipped.
 
         Under DDP every rank tries the same candidates in the same order and they agree on each one (one small
@@ -248,7 +313,7 @@ class Checkpointer:
                  if step < latest.step)
         reasons: list[str] = []
         for info in (*skipped, latest, *older):
-            problem, fatal = self._try(info, computation, run_dir, api)
+            problem, fatal = self._try(info, computation, run_dir, api, ignore)
             verdicts = self.dist.all_errors(f"{'fatal' if fatal else 'skip'}:{problem}" if problem else None)
             if fatal is not None:
                 raise fatal
@@ -272,14 +337,14 @@ class Checkpointer:
         raise NothingToResume(f"no checkpoint of {run_dir} could be loaded ({found}); fix the cause, or start over "
                               f"with --fresh --overwrite (which deletes them) or use another --run-dir")
 
-    def _try(self, info: CheckpointInfo, computation: dict[str, Any], run_dir: str,
-             api: bool) -> tuple[str | None, ResumableError | None]:
+    def _try(self, info: CheckpointInfo, computation: dict[str, Any], run_dir: str, api: bool,
+             ignore: frozenset[str]) -> tuple[str | None, ResumableError | None]:
         """Load ``info`` into every object: (why it was skipped, None), (None, None) when loaded, or (message,
         error) when resuming must stop. Never raises, so every rank reaches the agreement in :meth:`resume`."""
         if not info.valid:
             return info.reason, None
         try:
-            check_computation(info.manifest.get("computation", {}), computation, run_dir, api)
+            check_computation(info.manifest.get("computation", {}), computation, run_dir, api, ignore)
             threads = info.manifest.get("num_threads")
             if isinstance(threads, int) and threads != torch.get_num_threads():
                 log.info(f"setting torch threads to {threads} (was {torch.get_num_threads()}) as recorded in the "

@@ -86,7 +86,7 @@ def planned(reason: str) -> bool:
     """Whether an early stop was asked for (a signal, the time limit) rather than forced by a failure (a save
     that failed, the run dir's lock lost to another process): those stay exit 75 under torchrun too, which
     counts them as failures, so that a failure never looks like success."""
-    return reason not in ("save error", "lock lost")
+    return reason not in ("save error", "lock lost", "checkpoint missing")
 
 
 def record_planned_stop(dist: Distributed, run_dir: Path, reason: str, step: int) -> bool:

@@ -46,6 +46,10 @@ def summarise(checkpointer: Checkpointer, state: TrainState, outcome: Outcome | 
         log.info(f"stopped early (a checkpoint could not be written): the newest valid checkpoint is step "
                  f"{latest.step if latest else 'none'}. Fix the cause (disk space, I/O errors), then run the "
                  f"same command again to continue from it (exit code {EXIT_RESUME})")
+    elif outcome.reason == "checkpoint missing":
+        latest, _ = checkpointer.manager.latest_valid()
+        log.info(f"stopped: the newest valid checkpoint is {f'step {latest.step}' if latest else 'none'}; run the "
+                 f"same command again to continue from it (exit code {EXIT_RESUME})")
     elif outcome.reason == "lock lost":
         log.error(f"stopped: {lost or 'the run dir lock was lost'}; nothing more was written. The other process "
                   f"now owns {run_dir} (exit code {EXIT_RESUME})")

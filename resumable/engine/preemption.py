@@ -17,11 +17,31 @@ from typing import Any
 
 COLAB_VM_LIFETIME_S = 12 * 3600.0
 COLAB_SAFETY_S = 20 * 60.0
-STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+# SIGHUP: the terminal or SSH session closed; the run saves and stops as for SIGTERM.
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP")
+_EARLY: list[str] = []  # stop signals that arrived before training started (see install_startup_handlers)
+
+
+def _remember(signum: int, frame: FrameType | None) -> None:
+    name = signal.Signals(signum).name
+    if name == "SIGINT" and "SIGINT" in _EARLY:
+        raise KeyboardInterrupt  # a second Ctrl-C during start-up: stop now
+    _EARLY.append(name)
+
+
+def install_startup_handlers() -> None:
+    """First thing in an entry point (before ``import torch``): a stop signal during start-up is remembered, and
+    training, once it starts, commits a checkpoint at its first step boundary and exits 75 (a Colab VM that is
+    being stopped sends SIGTERM whenever it likes, imports included)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for name in STOP_SIGNALS:
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), _remember)
 
 
 class StopFlag:
-    """Installs handlers for SIGTERM, SIGINT and SIGUSR1 while active; restores the old ones on exit.
+    """Installs handlers for SIGTERM, SIGINT, SIGUSR1 and SIGHUP while active; restores the old ones on exit.
 
     >>> with StopFlag() as flag:
     ...     flag.requested is None
@@ -46,6 +66,9 @@ class StopFlag:
         if threading.current_thread() is threading.main_thread():
             for signum in self.signals:
                 self._previous[signum] = signal.signal(signum, self._handle)
+        if _EARLY and self.requested is None:  # a signal that arrived during start-up
+            self.requested = _EARLY[0]
+            _EARLY.clear()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -22,6 +22,8 @@ running the same code again continues.
 
 from __future__ import annotations
 
+import atexit
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -31,6 +33,7 @@ import torch
 
 from .. import log
 from ..checkpoint import CheckpointManager, checkpoints_dir, describe_age
+from ..checkpoint.format import step_dir_name
 from ..checkpoint.writer import CheckpointWriter, SaveStats
 from ..config import RunOptions, format_duration
 from ..errors import EXIT_RESUME, ResumableError
@@ -62,6 +65,39 @@ from .sampler import ResumableSampler
 from .state import Stateful, TrainState, as_stateful
 
 _ACTIVE: dict[str, Run] = {}  # open runs of this process by run dir (a re-run notebook cell)
+
+
+def _describe(error: BaseException) -> str:
+    """How a session that an exception ended is recorded in sessions.jsonl."""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted (Ctrl-C)"
+    return f"error: {type(error).__name__}"
+
+
+def _close_active(error: BaseException | None) -> None:
+    """End every open Run of this process, recording ``error``: while the interpreter is whole, not at its
+    teardown (a generator finalised then cannot even open sessions.jsonl)."""
+    for run in list(_ACTIVE.values()):
+        try:
+            run.close(error)
+        except Exception:  # noqa: BLE001 - best effort: the exception being reported matters more
+            pass
+
+
+def _install_exit_hooks() -> None:
+    """An exception that leaves ``for ... in run:`` never reaches the generator; close open runs when Python
+    reports it (``sys.excepthook``) and, for anything else, at exit (``atexit``)."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, tb: Any) -> None:
+        _close_active(error)
+        previous(kind, error, tb)
+
+    sys.excepthook = hook
+    atexit.register(_close_active, None)
+
+
+_install_exit_hooks()
 _BUILT_IN = ("model", "optimizer", "scheduler", "scaler", "sampler")
 
 
@@ -79,7 +115,8 @@ class Run:
     ``accumulate=K`` makes a step K micro-batches: call ``optimizer.step()`` when ``run.sync_step`` is true;
     checkpoints are only taken between steps. ``config`` (JSON-able) is recorded and must match on resume.
     ``resume``: ``auto`` (default) continues from the newest valid checkpoint, ``must`` requires one,
-    ``never`` starts over (``overwrite=True`` discards existing checkpoints). Other keyword arguments are
+    ``never`` starts over (``overwrite=True`` discards existing checkpoints). ``allow_data_change=True``
+    continues a run whose dataset changed length since the checkpoint, at an epoch boundary. Other keyword arguments are
     :class:`~resumable.config.RunOptions` (``max_steps``, ``checkpoint_every="5m"``, ``checkpoint_steps``,
     ``time_limit``, ``keep``, ``tensorboard``, ``cache_dir``...).
 
@@ -100,7 +137,7 @@ class Run:
                  config: Mapping[str, Any] | None = None, resume: str = "auto", overwrite: bool = False,
                  computation: Mapping[str, Any] | None = None, settings: Mapping[str, Any] | None = None,
                  prepared: tuple[RunDir, Choice] | None = None, faults: Faults | None = None,
-                 **options: Any) -> None:
+                 allow_data_change: bool = False, **options: Any) -> None:
         if resume not in ("auto", "must", "never"):
             raise ValueError(f"resume={resume!r} must be auto, must or never")
         if accumulate < 1:
@@ -116,6 +153,8 @@ class Run:
         self.source, size = as_source(data, {k: v for k, v in loader.items() if v is not None})
         self.sampler = ResumableSampler(size, batch_size, seed, shuffle=shuffle, drop_last=drop_last,
                                         rank=self.dist.rank, world_size=self.dist.world_size)
+        self.sampler.allow_size_change = self.allow_data_change = allow_data_change
+        self.data_change: tuple[int, int] | None = None  # (checkpoint's, now) when the dataset changed size
         self.accumulate = accumulate
         self.evaluate = evaluate
         self.device = torch.device(device) if device is not None else device_of(model)
@@ -151,6 +190,7 @@ class Run:
         self._loop: Loop | None = None
         self._iterator: Iterator[tuple[int, int, Any]] | None = None
         self._elastic_stop = False  # stopped on purpose under torchelastic (see engine/elastic.py)
+        self._ended_by: str | None = None  # the exception that ended the loop from outside, if any
 
     # -- results -----------------------------------------------------------------------------------
     @property
@@ -183,11 +223,16 @@ class Run:
     def __enter__(self) -> Run:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
+        self.close(error)
 
-    def close(self) -> None:
-        """Stop iterating (no new checkpoint; the newest committed one stays) and release the run dir."""
+    def close(self, error: BaseException | None = None) -> None:
+        """Stop iterating (no new checkpoint; the newest committed one stays) and release the run dir.
+
+        ``error``: the exception that ended the loop, recorded as how the session ended (``with run:`` passes
+        it; an exception that leaves a plain ``for`` loop uncaught is recorded through ``sys.excepthook``)."""
+        if error is not None and self._ended_by is None:
+            self._ended_by = _describe(error)
         if self._iterator is not None:
             self._iterator.close()
 
@@ -233,12 +278,19 @@ class Run:
         error: Exception | None = None
         if choice.latest is not None:
             try:
-                info = self._checkpointer.resume(choice.latest, choice.skipped, self.computation, self.run_dir,
-                                                 self._api)
+                info = self._checkpointer.resume(
+                    choice.latest, choice.skipped, self.computation, self.run_dir, self._api,
+                    ignore=frozenset({"num_samples"}) if self.allow_data_change else frozenset())
+                self._accept_data_change(info)
             except Exception as e:  # noqa: BLE001 - any failure (an OSError too) must reach every rank
                 error = e
             else:
                 self.resumed_from = info.step
+                if main:
+                    try:
+                        self._checkpointer.check_room()
+                    except ResumableError as e:
+                        error = e
                 saved_world = info.manifest.get("world_size", 1)
                 if saved_world != self.dist.world_size:
                     self._remap_position(saved_world)
@@ -254,6 +306,24 @@ class Run:
         if self.resumed_from is None and not self.model.training:
             log.info("the model was in eval mode; training it in train mode (model.train())")
             self.model.train()
+
+    def _accept_data_change(self, info: Any) -> None:
+        """With ``allow_data_change``: a dataset whose length changed since the checkpoint is taken at an epoch
+        boundary (the next epoch's order is computed for the new length); mid-epoch the old epoch's order
+        cannot go on, so it is refused. Recorded in the session history."""
+        saved = (info.manifest.get("computation") or {}).get("num_samples")
+        now = self.computation.get("num_samples")
+        if not self.allow_data_change or saved is None or saved == now:
+            return
+        if self.state.batch_in_epoch != 0:
+            raise ResumableError(f"the dataset has {now} samples, the checkpoint of step {info.step} was taken in "
+                                 f"the middle of an epoch over {saved}: a changed dataset is accepted at an epoch "
+                                 f"boundary only. Resume with the old data until the epoch ends, or start a new run "
+                                 f"dir")
+        self.data_change = (saved, now)
+        log.warning(f"the dataset changed from {saved} to {now} samples since step {info.step}: epoch "
+                    f"{self.state.epoch + 1} on uses the new data (allow_data_change=True); the run is no longer "
+                    f"comparable with an uninterrupted one over the old data")
 
     def _remap_position(self, saved_world: int) -> None:
         """Resume with another number of processes: keep the position in the epoch by sample count."""
@@ -275,7 +345,9 @@ class Run:
         if self.options.progress and main:
             reporters.append(ProgressReporter())
         reporters.append(ConsoleReporter())
-        reporters.append(HistoryReporter(SessionLog(rundir.local if main else None)))
+        note = (f"dataset changed from {self.data_change[0]} to {self.data_change[1]} samples (allow_data_change)"
+                if self.data_change else None)
+        reporters.append(HistoryReporter(SessionLog(rundir.local if main else None), note))
         return Reporters(reporters)
 
     def _train(self, rundir: RunDir, choice: Choice) -> Iterator[tuple[int, int, Any]]:
@@ -294,7 +366,11 @@ class Run:
                 self._mirror.durable.clear()  # those were just deleted: the new run's steps must all be uploaded
         if main:
             manager.cleanup_incomplete()
-            self._metrics.rollback(state.step)
+            try:
+                self._metrics.rollback(state.step)
+            except OSError as e:  # a log that cannot be rewritten must not stop training
+                log.warning(f"could not roll {METRICS} back to step {state.step} ({e}); it may hold records of "
+                            f"the steps after the checkpoint twice")
         self._report = report = self._reporters(rundir)
         plan = LoopPlan(epochs=self.options.epochs, max_steps=self.options.max_steps,
                         log_every=self.options.log_every, on_save_error=self.options.on_save_error,
@@ -316,15 +392,20 @@ class Run:
             log.info(f"training on {self.device}{ranks} with {torch.get_num_threads()} CPU thread(s): step "
                      f"{state.step} → {loop.total_steps}, checkpoints in {manager.root}", all_ranks=True)
             report.session_start(state.step, loop.total_steps, self.resumed_from)
+            completed = False
             try:
                 yield from self._batches(loop)
-                self.outcome = loop.outcome
+                self.outcome = self._confirmed(loop.outcome, manager) if main else loop.outcome
                 ended = loop.outcome.reason if loop.outcome is not None else ended
+                completed = True
             except KeyboardInterrupt:
                 interrupted = True
                 raise
+            except GeneratorExit:  # closed: by close()/with, a re-run notebook cell, or an uncaught exception
+                ended = self._ended_by or ended
+                raise
             finally:
-                if ended == "interrupted":
+                if not completed:
                     self._wait_quietly()
                 report.session_end(state.step, ended)
                 self._close_mirror(interrupted or stop.forced)
@@ -335,6 +416,19 @@ class Run:
             self._elastic_stop = True
             log.info(f"under torchrun this worker exits 0, so that the group is not restarted; `resumable torchrun` "
                      f"exits {EXIT_RESUME} for this stop (plain torchrun exits 0)")
+
+    def _confirmed(self, outcome: Outcome | None, manager: CheckpointManager) -> Outcome | None:
+        """Before reporting the state committed, read the newest checkpoint back from where it claims to be: a
+        run dir deleted or emptied under a live run must not end in "done" with no checkpoint anywhere."""
+        if outcome is None or outcome.reason in ("save error", "lock lost"):
+            return outcome
+        step = self.state.step
+        info = manager.check(step, manager.root / step_dir_name(step), deep=False)
+        if info.valid:
+            return outcome
+        log.error(f"the checkpoint of step {step} is not in {manager.root} any more ({info.reason}): was the run dir "
+                  f"deleted or changed while training? Nothing of this session is committed there")
+        return Outcome(False, "checkpoint missing")
 
     def _batches(self, loop: Loop) -> Iterator[tuple[int, int, Any]]:
         """The loop's positions turned into batches from the data source, one epoch iterator at a time."""

@@ -8,7 +8,6 @@ other ranks; an error on rank 0 is raised on every rank instead of leaving them 
 
 from __future__ import annotations
 
-import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,11 +107,20 @@ class RunDir:
         try:
             opened = cls(run_dir, _location(run_dir, cache_dir, credentials))
             opened._claim()
+            opened._check_entries()
             if opened.taken_over:
                 log.info(opened.taken_over)
             if opened.remote is not None and not (mode == "fresh" and overwrite):
                 opened._restore()
             chosen = choose_checkpoint(opened.manager, run_dir, mode, overwrite)
+        except OSError as e:  # a full or read-only disk at start: exit 2 with the cause, not a traceback
+            error = ResumableError(f"cannot open the run dir {run_dir} ({e}); free space or fix permissions, then "
+                                   f"run again")
+            if opened is not None:
+                opened.release()
+                opened._undo_create()
+            dist.broadcast(error)
+            raise error from e
         except ResumableError as e:
             if opened is not None:
                 opened.release()
@@ -134,6 +142,18 @@ class RunDir:
             except StorageError as e:
                 raise ResumableError(f"cannot take the lease on {self.remote.description}: {e}") from e
 
+    def _check_entries(self) -> None:
+        """The run dir's own entries must be of the kind resumable keeps there, or nothing could be committed (a
+        file named ``checkpoints`` would fail every save until the run ends); exit 2 naming it, nothing changed."""
+        kinds = {"checkpoints": ("a folder", Path.is_dir), TENSORBOARD_DIR: ("a folder", Path.is_dir),
+                 METRICS: ("a file", Path.is_file), SESSIONS: ("a file", Path.is_file)}
+        for name, (kind, right) in kinds.items():
+            path = self.local / name
+            if (path.exists() or path.is_symlink()) and not right(path):
+                found = "a broken link" if not path.exists() else "a folder" if path.is_dir() else "not a folder"
+                raise ResumableError(f"{path} is {found}, but resumable keeps its {name} there as {kind}: move it "
+                                     f"away or use another --run-dir (nothing was changed)")
+
     def _restore(self) -> None:
         log.info(f"run dir {self.name} is mirrored from a local cache in {self.local}")
         try:
@@ -143,11 +163,19 @@ class RunDir:
                                  f"Nothing was changed; run again when it is reachable") from e
 
     def reset(self) -> None:
-        """--fresh --overwrite: delete the checkpoints and logs, here and on Drive (under the lock)."""
+        """--fresh --overwrite: delete the checkpoints and logs, here and on Drive (under the lock).
+
+        Never through a symlink (checkpoint/paths.py): a step dir or the TensorBoard dir that is a link is removed
+        itself, with a warning, and nothing outside the run dir changes."""
+        from ..checkpoint import paths
+
         self.manager.delete_all()
         for name in (METRICS, SESSIONS):
-            (self.local / name).unlink(missing_ok=True)
-        shutil.rmtree(self.local / TENSORBOARD_DIR, ignore_errors=True)
+            (self.local / name).unlink(missing_ok=True)  # unlink removes a link itself
+        try:
+            paths.remove_entry(self.local / TENSORBOARD_DIR)
+        except OSError as e:  # old event files only confuse TensorBoard; the fresh run goes on
+            log.warning(f"could not delete {self.local / TENSORBOARD_DIR} ({e}); delete it by hand")
         if self.remote is not None:
             for folder in [*self.remote.list_checkpoints(), TENSORBOARD_DIR]:
                 self.remote.delete_folder(folder)
@@ -161,13 +189,16 @@ class RunDir:
                 pass  # not empty (someone else's files), or gone: leave it
 
     def release(self) -> None:
-        """Give the run dir up: the lease first (Drive), then the local lock."""
-        if self.lease is not None:
-            self.lease.release()
-            self.lease = None
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
+        """Give the run dir up: the lease first (Drive), then the local lock. Never raises: a run dir remounted
+        read-only at the end must not turn a finished run into a traceback (a lock left behind goes stale)."""
+        for owner in (self.lease, self.lock):
+            if owner is None:
+                continue
+            try:
+                owner.release()
+            except (OSError, StorageError) as e:
+                log.warning(f"could not release {type(owner).__name__} of {self.name} ({e}); it goes stale by itself")
+        self.lease = self.lock = None
 
 
 def _location(run_dir: str, cache_dir: str | None, credentials: str | None) -> RunLocation:

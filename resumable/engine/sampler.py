@@ -49,6 +49,7 @@ class ResumableSampler:
         self.drop_last = drop_last
         self.rank = rank
         self.world_size = world_size
+        self.allow_size_change = False  # set by Run(allow_data_change=True)
         self._told = False  # the trailing samples that no step takes are announced once
         if self.batches_per_epoch < 1:
             raise ValueError(f"num_samples={num_samples} is too few for {world_size} processes: each rank needs at "
@@ -130,6 +131,8 @@ class ResumableSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = self.state_dict()
+        if self.allow_size_change:  # Run(allow_data_change=True): checked at an epoch boundary by the Run
+            mine.pop("num_samples")
         diffs = [f"{k}: checkpoint {state.get(k)!r}, now {v!r}" for k, v in mine.items() if state.get(k) != v]
         if diffs:
             raise ValueError("the data order of this run differs from the checkpoint's (" + "; ".join(diffs)

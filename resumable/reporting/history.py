@@ -14,13 +14,16 @@ killed (or is still running). Records::
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-from .metrics import read_records
+from .metrics import JsonlScan, rewrite_jsonl, scan_jsonl
 
 SESSIONS = "sessions.jsonl"
 
@@ -49,20 +52,71 @@ class SessionRecord:
         return {**asdict(self), "how": self.how, "steps": self.steps}
 
 
-def read_sessions(run_dir: Path) -> list[SessionRecord]:
-    """The sessions of ``run_dir``, oldest first (a torn last line from a kill is ignored)."""
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _optional(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or ok(value)
+
+
+def _text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+# Fields of the records read_sessions uses: name -> (check, required). Other fields and other events are kept
+# as they are (a newer resumable may add some).
+_START = {"time": (_number, True), "step": (_count, True), "resumed_from": (_optional(_count), False),
+          "host": (_optional(_text), False), "pid": (_optional(_count), False)}
+_END = {"time": (_optional(_number), False), "step": (_optional(_count), False), "ended": (_optional(_text), False)}
+
+
+def session_problem(record: Any) -> str | None:
+    """Why ``record`` is not a session record this reader can use, or None."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not a record"
+    number = record.get("session")
+    if not _count(number) or number < 1:
+        return f"'session' is {json.dumps(number)[:30]}, not an integer >= 1"
+    event = record.get("event")
+    if not isinstance(event, str):
+        return f"'event' is {json.dumps(event)[:30]}, not a string"
+    for name, (ok, required) in {"start": _START, "end": _END}.get(event, {}).items():
+        if name not in record:
+            if required:
+                return f"{event} record lacks {name!r}"
+        elif not ok(record[name]):
+            return f"{event} record field {name!r} is {json.dumps(record[name])[:30]}"
+    return None
+
+
+def _scan(run_dir: Path) -> JsonlScan:
+    return scan_jsonl(Path(run_dir) / SESSIONS, session_problem)
+
+
+def _sessions(records: list[dict[str, Any]]) -> list[SessionRecord]:
     sessions: dict[int, SessionRecord] = {}
-    for record in read_records(Path(run_dir) / SESSIONS):
-        number = record.get("session")
-        if not isinstance(number, int):
-            continue
-        if record.get("event") == "start":
-            sessions[number] = SessionRecord(number, record.get("time", 0.0), record.get("step", 0),
+    for record in records:
+        number = record["session"]
+        if record["event"] == "start":
+            sessions[number] = SessionRecord(number, float(record["time"]), record["step"],
                                              record.get("resumed_from"), record.get("host"), record.get("pid"))
-        elif record.get("event") == "end" and number in sessions:
+        elif record["event"] == "end" and number in sessions:
             entry = sessions[number]
             entry.end, entry.end_step, entry.ended = record.get("time"), record.get("step"), record.get("ended")
     return [sessions[n] for n in sorted(sessions)]
+
+
+def read_sessions(run_dir: Path) -> list[SessionRecord]:
+    """The sessions of ``run_dir``, oldest first. A torn last line from a kill is ignored; an undecodable or
+    wrong-typed line is skipped with one warning (the next session's start rewrites the file without it)."""
+    scan = _scan(run_dir)
+    scan.warn("when the next training session starts")
+    return _sessions(scan.records)
 
 
 class SessionLog:
@@ -80,13 +134,19 @@ class SessionLog:
             handle.flush()
             os.fsync(handle.fileno())
 
-    def start(self, step: int, resumed_from: int | None) -> int | None:
+    def start(self, step: int, resumed_from: int | None, note: str | None = None) -> int | None:
+        """Record the session's start; ``note`` says what changed since the last one (e.g. the dataset)."""
         if self.path is None:
             return None
-        previous = read_sessions(self.path.parent)
+        scan = _scan(self.path.parent)
+        scan.warn("now")
+        if scan.needs_repair:  # under the run dir's lock: no other writer; appending after a torn line would
+            rewrite_jsonl(self.path, scan.lines)  # glue this start record to it, and both would be lost
+        previous = _sessions(scan.records)
         self.number = (previous[-1].session + 1) if previous else 1
-        self._append({"event": "start", "session": self.number, "time": time.time(), "step": step,
-                      "resumed_from": resumed_from, "host": socket.gethostname(), "pid": os.getpid()})
+        record = {"event": "start", "session": self.number, "time": time.time(), "step": step,
+                  "resumed_from": resumed_from, "host": socket.gethostname(), "pid": os.getpid()}
+        self._append({**record, "note": note} if note else record)
         return self.number
 
     def end(self, step: int, ended: str) -> None:

@@ -152,11 +152,12 @@ class ConsoleReporter(Reporter):
 class HistoryReporter(Reporter):
     """The start and end of each session in ``sessions.jsonl`` (how it ended: the crash-loop evidence)."""
 
-    def __init__(self, sessions: SessionLog) -> None:
+    def __init__(self, sessions: SessionLog, note: str | None = None) -> None:
         self.sessions = sessions
+        self.note = note
 
     def session_start(self, step: int, total_steps: int, resumed_from: int | None) -> None:
-        self.sessions.start(step, resumed_from)
+        self.sessions.start(step, resumed_from, self.note)
 
     def session_end(self, step: int, ended: str) -> None:
         self.sessions.end(step, ended)

@@ -5,6 +5,10 @@ is uploaded again, and raises a bare JSONDecodeError on a non-JSON error body. H
 retried on transient errors (403 rate limits, 429, 5xx, resets, timeouts, HTML bodies) with backoff and
 jitter; files are found by ``'<id>' in parents`` queries and overwritten by id; folders are deleted
 permanently; ``storageQuotaExceeded`` is reported, never retried.
+
+A Drive title is any string (``../../x``, ``a/b``), and a shared folder may be written by anyone: listings show
+only titles that are plain file names (checkpoint/paths.py; the others are skipped with one warning each), names
+handed in must be plain, and titles in a query are escaped.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint import paths
 from .base import CHECKPOINTS, RemoteFile, folder_parts
 from .retry import MissingFile, RetryPolicy, StorageError, TransientStorageError
 
@@ -114,8 +119,8 @@ class GDriveStore:
 
     def _children(self, parent_id: str, title: str | None = None, folders: bool | None = None) -> list[Any]:
         clauses = [f"'{parent_id}' in parents", "trashed=false"]
-        if title is not None:
-            clauses.append(f"title='{title}'")
+        if title is not None:  # escaped: a quote in a name must not end the string and change the query
+            clauses.append("title='" + title.replace("\\", "\\\\").replace("'", "\\'") + "'")
         if folders is True:
             clauses.append(f"mimeType='{FOLDER_MIME}'")
         elif folders is False:
@@ -158,7 +163,7 @@ class GDriveStore:
         parent = self._folder_id(self.location.path + (CHECKPOINTS,), create=False)
         if parent is None:
             return []
-        return sorted(f["title"] for f in self._children(parent, folders=True))
+        return sorted(f["title"] for f in self._children(parent, folders=True) if self._plain_title(f, CHECKPOINTS))
 
     def list_files(self, folder: str) -> dict[str, RemoteFile]:
         parent = self._folder_id(self._parts(folder), create=False)
@@ -170,11 +175,29 @@ class GDriveStore:
             self._folders.pop(self._parts(folder), None)
             raise
         files: dict[str, RemoteFile] = {}
-        for item in sorted(children, key=lambda f: f.get("modifiedDate", "")):
-            files[item["title"]] = RemoteFile(int(item.get("fileSize", 0)), item.get("md5Checksum"))
+        for item in sorted(children, key=lambda f: str(f.get("modifiedDate", ""))):
+            if not self._plain_title(item, folder or "the run folder"):
+                continue
+            try:
+                size = int(item.get("fileSize", 0))
+            except (TypeError, ValueError):
+                where = folder or "the run folder"
+                paths.warn_once(f"drive-size:{item.get('id')}", f"skipping {item['title']!r} in {where} on "
+                                f"{self.description}: its fileSize {item.get('fileSize')!r} is not a number")
+                continue
+            files[item["title"]] = RemoteFile(size, item.get("md5Checksum"))
         return files
 
+    def _plain_title(self, item: Any, where: str) -> bool:
+        """Whether a listed file's title is a plain name; warns once about one that is not (never a path here)."""
+        problem = paths.name_problem(item.get("title"))
+        if problem is not None:
+            paths.warn_once(f"drive:{item.get('id')}", f"skipping {item.get('title')!r} in {where} on "
+                                                       f"{self.description}: not a plain file name ({problem})")
+        return problem is None
+
     def put_file(self, folder: str, name: str, source: Path) -> RemoteFile:
+        self._check_names(folder, name)
         parent = self._folder_id(self._parts(folder), create=True)
 
         def upload() -> RemoteFile:
@@ -198,6 +221,7 @@ class GDriveStore:
         return self._call(upload, f"uploading {folder + '/' if folder else ''}{name}")
 
     def get_file(self, folder: str, name: str, target: Path) -> None:
+        self._check_names(folder, name)
         parent = self._folder_id(self._parts(folder), create=False)
         found = self._children(parent, name, folders=False) if parent else []
         if not found:
@@ -205,6 +229,13 @@ class GDriveStore:
         file_id = found[-1]["id"]
         self._call(lambda: self.drive.CreateFile({"id": file_id}).GetContentFile(str(target)),
                    f"downloading {name}")
+
+    def _check_names(self, folder: str, name: str) -> None:
+        for value in (folder, name) if folder else (name,):
+            problem = paths.name_problem(value)
+            if problem is not None:
+                raise StorageError(f"refusing the name {value!r} on {self.description}: not a plain file name "
+                                   f"({problem}); a run folder holds plain names only")
 
     def delete_folder(self, folder: str) -> None:
         parent = self._folder_id(self._parts(folder), create=False)

@@ -3,6 +3,10 @@
 The mount writes to a local cache and uploads later; it drops with ``OSError: [Errno 107] Transport
 endpoint is not connected`` and fails with EIO. Every operation is retried with backoff; a copy is
 written under a temporary name, fsynced, renamed, and its size checked afterwards.
+
+The mounted folder may be shared, so it obeys the path policy (checkpoint/paths.py): listings show only plain
+names of real folders and regular files (a symlink or FIFO there is skipped, with one warning), names handed in
+must be plain, files are read only if regular, and deleting never follows a link.
 """
 
 from __future__ import annotations
@@ -10,8 +14,10 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 from pathlib import Path
 
+from ..checkpoint import paths
 from .base import CHECKPOINTS, RemoteFile, folder_parts
 from .retry import MissingFile, RetryPolicy, StorageError, TransientStorageError
 
@@ -23,6 +29,13 @@ MOUNT_ENV = "RESUMABLE_DRIVE_MOUNT"
 PRUNE_GRACE_ENV = "RESUMABLE_MOUNT_PRUNE_GRACE_S"
 DEFAULT_PRUNE_GRACE_S = 600.0
 _TRANSIENT = {errno.ENOTCONN, errno.EIO, errno.ETIMEDOUT, errno.EAGAIN, errno.ESTALE, errno.EBUSY}
+
+
+def _plain(name: str, where: str) -> None:
+    problem = paths.name_problem(name)
+    if problem is not None:
+        raise StorageError(f"refusing the name {name!r} on {where}: not a plain file name ({problem}); a run folder "
+                           f"holds plain names only")
 
 
 def is_mounted_drive(path: str | os.PathLike[str]) -> bool:
@@ -68,7 +81,26 @@ class MountedDirStore:
         self.prune_grace_s = _grace_from_env() if prune_grace_s is None else float(prune_grace_s)
 
     def _dir(self, folder: str) -> Path:
+        if folder:
+            _plain(folder, self.description)
         return self.root.joinpath(*folder_parts(folder))
+
+    def _listed(self, entry: Path, want_dir: bool) -> bool:
+        """Whether a listing shows ``entry``: a plain name of a real directory (``want_dir``) or regular file."""
+        try:
+            mode = entry.lstat().st_mode
+        except FileNotFoundError:  # deleted while listing
+            return False
+        kind_ok = stat.S_ISDIR(mode) if want_dir else stat.S_ISREG(mode)
+        problem = paths.name_problem(entry.name)
+        if problem is None and kind_ok:
+            return True
+        odd = not (stat.S_ISDIR(mode) or stat.S_ISREG(mode))  # a link, FIFO, device or socket: worth a warning
+        if problem is not None or odd:
+            why = problem or f"it is {paths.describe(mode)}"
+            paths.warn_once(f"mount:{entry}", f"skipping {entry} on {self.description}: {why}; only plain names of "
+                                              f"real folders and regular files are read from it")
+        return False
 
     def _retry(self, action, what: str):
         return self.policy.call(action, _classify, f"{what} on {self.description}")
@@ -76,7 +108,7 @@ class MountedDirStore:
     def list_checkpoints(self) -> list[str]:
         def listing() -> list[str]:
             base = self.root / CHECKPOINTS
-            return sorted(p.name for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+            return sorted(p.name for p in base.iterdir() if self._listed(p, True)) if base.is_dir() else []
 
         return self._retry(listing, "listing checkpoints")
 
@@ -85,19 +117,22 @@ class MountedDirStore:
             base = self._dir(folder)
             if not base.is_dir():
                 return {}
-            return {p.name: RemoteFile(p.stat().st_size) for p in base.iterdir()
-                    if p.is_file() and ".tmp-" not in p.name}
+            return {p.name: RemoteFile(p.lstat().st_size) for p in base.iterdir()
+                    if ".tmp-" not in p.name and self._listed(p, False)}
 
         return self._retry(listing, f"listing {folder or 'the run folder'}")
 
     def put_file(self, folder: str, name: str, source: Path) -> RemoteFile:
+        _plain(name, self.description)
         size = source.stat().st_size
 
         def copy() -> RemoteFile:
             target_dir = self._dir(folder)
             target_dir.mkdir(parents=True, exist_ok=True)
             tmp = target_dir / f".{name}.tmp-{os.getpid()}"
-            with open(source, "rb") as src, open(tmp, "wb") as dst:
+            tmp.unlink(missing_ok=True)  # O_EXCL below: never write through a link left at that name
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            with paths.open_regular(source) as src, os.fdopen(fd, "wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
                 dst.flush()
                 os.fsync(dst.fileno())
@@ -110,8 +145,12 @@ class MountedDirStore:
         return self._retry(copy, f"copying {name}")
 
     def get_file(self, folder: str, name: str, target: Path) -> None:
+        _plain(name, self.description)
+
         def copy() -> None:
-            shutil.copyfile(self._dir(folder) / name, target)
+            # Only a regular file is read: a FIFO on the mount would block, a link would read another file.
+            with paths.open_regular(self._dir(folder) / name) as src, open(target, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
 
         self._retry(copy, f"reading {name}")
 
@@ -120,11 +159,12 @@ class MountedDirStore:
         # checkpoints here are few and rotate slowly, and the Drive API store deletes permanently.
         def remove() -> None:
             path = self._dir(folder)
-            if not path.is_dir():
+            if paths.is_link(path):  # never followed: only the link goes, what it points to stays
+                paths.remove_entry(path)
                 return
-            manifest = path / "manifest.json"
-            if manifest.exists():
-                manifest.unlink()  # manifest first: a half-deleted folder is never a checkpoint
-            shutil.rmtree(path, ignore_errors=False)
+            if not paths.is_real_dir(path):
+                return
+            paths.unlink_in_dir(path, "manifest.json")  # manifest first: a half-deleted folder is never a checkpoint
+            paths.remove_tree(path)
 
         self._retry(remove, f"deleting {folder}")

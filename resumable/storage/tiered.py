@@ -5,12 +5,15 @@ A checkpoint is durable remotely only once every payload file is uploaded and ve
 where the remote reports one) and then its manifest is uploaded: a remote folder without a manifest is
 never a checkpoint. Remote pruning follows local retention and happens only after a newer checkpoint
 is durable.
+
+The remote is untrusted (anyone may write to a shared Drive folder): a remote manifest is validated like a local
+one, file names from it or from a listing must be plain names, and a download never writes through a link or
+FIFO already at its name (checkpoint/paths.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -19,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..checkpoint import CheckpointManager
+from ..checkpoint import CheckpointManager, paths
 from ..checkpoint import format as fmt
 from ..reporting.history import SESSIONS
 from ..reporting.tensorboard import TENSORBOARD_DIR
@@ -27,48 +30,75 @@ from .base import RemoteFile, RemoteStore, run_of, same_run
 from .retry import MissingFile, StorageError
 
 METRICS = "metrics.jsonl"
+# A real manifest is a few KB; one larger than this on the remote is not downloaded at all.
+MAX_MANIFEST_BYTES = 4 << 20
 
 
 def run_logs(run_dir: Path) -> list[tuple[str, Path]]:
     """The run's logs as (remote folder, local file): metrics, sessions and TensorBoard's event files."""
     logs = [("", run_dir / name) for name in (METRICS, SESSIONS)]
     board = run_dir / TENSORBOARD_DIR
-    if board.is_dir():
+    if paths.is_real_dir(board):  # a link there points outside the run dir: nothing of it is uploaded
         logs += [(TENSORBOARD_DIR, path) for path in sorted(board.iterdir())]
-    return [(folder, path) for folder, path in logs if path.is_file()]
+    # Regular files only (lstat): a symlinked log would upload someone else's file, a FIFO would hang.
+    return [(folder, path) for folder, path in logs if paths.is_regular(path)]
 
 
 def md5_file(path: Path) -> str:
     digest = hashlib.md5(usedforsecurity=False)
-    with open(path, "rb") as handle:
+    with paths.open_regular(path) as handle:
         while chunk := handle.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
 
 
-def remote_manifest(remote: RemoteStore, folder: str, scratch: Path) -> dict | None:
-    """The remote manifest of ``folder`` if it is complete (listed files present with their sizes)."""
+INCOMPLETE = "incomplete upload (no manifest yet)"
+
+
+def check_remote(remote: RemoteStore, folder: str, scratch: Path) -> tuple[dict | None, str | None]:
+    """(manifest, None) when the remote checkpoint ``folder`` is complete: its manifest is valid (read and checked
+    like a local one, see fmt.read_manifest), every file it lists is a plain name and is present with its size.
+    Otherwise (None, why not)."""
     try:
         files = remote.list_files(folder)
     except MissingFile:  # the folder was pruned after the checkpoint listing (inspect beside a live run)
-        return None
+        return None, "deleted while it was being read"
     if fmt.MANIFEST not in files:
-        return None
-    target = scratch / f".{folder}.manifest"
+        return None, INCOMPLETE
+    if files[fmt.MANIFEST].size > MAX_MANIFEST_BYTES:
+        return None, f"invalid: its manifest.json has {files[fmt.MANIFEST].size} bytes (at most {MAX_MANIFEST_BYTES})"
+    # Into a scratch folder named like the checkpoint, so the manifest is checked exactly as a local one is (a
+    # temp name: one a kill leaves behind is removed by the next start's cleanup_incomplete).
+    holder = Path(tempfile.mkdtemp(prefix=f".remote-manifest{fmt.TMP_MARK}", dir=scratch))
     try:
-        remote.get_file(folder, fmt.MANIFEST, target)
-    except MissingFile:  # pruned between listing and reading
-        return None
-    try:
-        manifest = json.loads(target.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
+        (holder / folder).mkdir()
+        try:
+            remote.get_file(folder, fmt.MANIFEST, holder / folder / fmt.MANIFEST)
+        except MissingFile:  # pruned between listing and reading
+            return None, "deleted while it was being read"
+        try:
+            manifest = fmt.read_manifest(holder / folder)
+        except fmt.InvalidCheckpoint as e:
+            return None, f"invalid: {e}"
     finally:
-        target.unlink(missing_ok=True)
-    for name, expected in manifest.get("files", {}).items():
-        if name not in files or files[name].size != expected.get("size"):
-            return None
-    return manifest
+        shutil.rmtree(holder, ignore_errors=True)
+    listed = manifest.get("files")
+    if not isinstance(listed, dict) or not listed:
+        return None, "invalid: its manifest lists no files"
+    for name, expected in listed.items():
+        if paths.name_problem(name) is not None:
+            return None, f"invalid: its manifest lists {name!r}, not a plain file name ({paths.name_problem(name)})"
+        size = expected.get("size") if isinstance(expected, dict) else None
+        if name not in files:
+            return None, f"incomplete upload ({name} is missing)"
+        if files[name].size != size:
+            return None, f"incomplete upload ({name} has {files[name].size} bytes, the manifest says {size})"
+    return manifest, None
+
+
+def remote_manifest(remote: RemoteStore, folder: str, scratch: Path) -> dict | None:
+    """The remote manifest of ``folder`` if it is complete and valid (see :func:`check_remote`), else None."""
+    return check_remote(remote, folder, scratch)[0]
 
 
 def _created(manifest: dict | None) -> float:
@@ -76,23 +106,27 @@ def _created(manifest: dict | None) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
-def remote_checkpoints(remote: RemoteStore, scratch: Path) -> list[tuple[int, str, dict | None]]:
-    """(step, folder, manifest or None when not durable) of every remote checkpoint folder, oldest first."""
+def _remote_entries(remote: RemoteStore, scratch: Path) -> list[tuple[int, str, dict | None, str | None]]:
+    """(step, folder, manifest or None, why not) of every remote checkpoint folder, oldest first."""
     found = []
     for folder in remote.list_checkpoints():
         step = fmt.parse_step_dir(folder)
-        if step is not None:
-            found.append((step, folder, remote_manifest(remote, folder, scratch)))
+        if step is not None and paths.is_plain_name(folder):
+            found.append((step, folder, *check_remote(remote, folder, scratch)))
     return sorted(found, key=lambda item: item[0])
+
+
+def remote_checkpoints(remote: RemoteStore, scratch: Path) -> list[tuple[int, str, dict | None]]:
+    """(step, folder, manifest or None when not durable) of every remote checkpoint folder, oldest first."""
+    return [(step, folder, manifest) for step, folder, manifest, _ in _remote_entries(remote, scratch)]
 
 
 def describe_remote(remote: RemoteStore, scratch: Path) -> list[dict]:
     """One entry per remote checkpoint folder, oldest first, saying whether it is durable."""
     entries = []
-    for step, folder, manifest in remote_checkpoints(remote, scratch):
+    for step, folder, manifest, reason in _remote_entries(remote, scratch):
         entries.append({"step": step, "epoch": (manifest or {}).get("epoch"), "durable": manifest is not None,
-                        "valid": manifest is not None,
-                        "reason": None if manifest else "incomplete upload (no manifest, or files missing)",
+                        "valid": manifest is not None, "reason": reason,
                         "fingerprint": (manifest or {}).get("fingerprint"),
                         "path": f"{remote.description}/{folder}",
                         "created": (manifest or {}).get("created_unix"), "run_id": run_of(manifest),
@@ -129,8 +163,17 @@ def _drop_stale_cache(local: CheckpointManager, run_dir: Path, run: str | None, 
     # Its logs are that run's too (like --fresh --overwrite): the remote's are brought back with the checkpoint.
     for log in (METRICS, SESSIONS):
         (run_dir / log).unlink(missing_ok=True)
-    shutil.rmtree(run_dir / TENSORBOARD_DIR, ignore_errors=True)
+    try:
+        paths.remove_entry(run_dir / TENSORBOARD_DIR, say)  # a link: only the link goes, and that is said
+    except OSError as e:
+        say(f"warning: could not remove the stale {run_dir / TENSORBOARD_DIR} ({e})")
     return True
+
+
+def _fetch(remote: RemoteStore, folder: str, name: str, directory: Path) -> Path:
+    """Download ``name`` of the remote ``folder`` as ``directory/name``, never through a link or FIFO there."""
+    return paths.write_replacing(directory, name, lambda tmp: remote.get_file(folder, name, tmp),
+                                 f"{remote.description} ({folder or 'the run folder'})")
 
 
 def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
@@ -143,7 +186,8 @@ def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
     they are removed, and the remote's checkpoint is brought back even if its step is lower.
     """
     local.root.mkdir(parents=True, exist_ok=True)
-    found = remote_checkpoints(remote, local.root)
+    entries = _remote_entries(remote, local.root)
+    found = [(step, folder, manifest) for step, folder, manifest, _ in entries]
     durable = [(step, folder, manifest) for step, folder, manifest in found if manifest is not None]
     if not durable:
         return None
@@ -155,17 +199,16 @@ def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
         return None
     latest_local, _ = local.latest_valid()
     floor = latest_local.step if latest_local else -1
-    for step, folder, manifest in found:
+    for step, folder, manifest, reason in entries:
         if manifest is None and step > floor:
-            say(f"warning: skipping remote {folder} on {remote.description}: incomplete upload")
+            say(f"warning: skipping remote {folder} on {remote.description}: {reason}")
     for step, folder, manifest in reversed(ours):
         if step <= floor:
             break
-        target = local.root / folder
-        target.mkdir(exist_ok=True)
+        target = paths.real_dir(local.root / folder, say)  # a link there: removed, never written through
         (target / fmt.MANIFEST).unlink(missing_ok=True)
-        for name in manifest["files"]:
-            remote.get_file(folder, name, target / name)
+        for name in manifest["files"]:  # plain names: check_remote refused the manifest otherwise
+            _fetch(remote, folder, name, target)
         try:
             fmt.verify_files(target, manifest, deep=True)
         except fmt.InvalidCheckpoint as e:
@@ -174,12 +217,17 @@ def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
         logs = remote.list_files("")
         for log in (METRICS, SESSIONS):
             if log in logs:
-                remote.get_file("", log, run_dir / log)
+                _fetch(remote, "", log, run_dir)
         board = remote.list_files(TENSORBOARD_DIR)
         if board:  # the event files: the resumed session's purge_step drops what followed this checkpoint
-            (run_dir / TENSORBOARD_DIR).mkdir(parents=True, exist_ok=True)
+            board_dir = paths.real_dir(run_dir / TENSORBOARD_DIR, say)
             for name in board:
-                remote.get_file(TENSORBOARD_DIR, name, run_dir / TENSORBOARD_DIR / name)
+                problem = paths.name_problem(name)
+                if problem is not None:  # a title like "../../x" in a shared folder: never a path here
+                    say(f"warning: skipping the TensorBoard file {name!r} on {remote.description}: not a plain "
+                        f"file name ({problem})")
+                    continue
+                _fetch(remote, TENSORBOARD_DIR, name, board_dir)
         fmt.write_json_atomic(target / fmt.MANIFEST, manifest)
         say(f"brought checkpoint step {step} back from {remote.description}")
         return step

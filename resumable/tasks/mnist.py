@@ -18,6 +18,9 @@ from ..errors import ResumableError
 MEAN, STD = 0.1307, 0.3081
 RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
              "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+IMAGE_SIZE = (28, 28)  # the model's fc1 (9216 inputs) is sized for it
+NUM_CLASSES = 10
+_CHUNK = 1 << 20
 
 
 class DataUnavailable(ResumableError):
@@ -116,21 +119,55 @@ def _raw_file(data_dir: Path, name: str) -> Path:
     return raw if raw.is_file() else raw.with_name(f"{name}.gz")
 
 
-def read_idx(path: Path) -> torch.Tensor:
-    """An IDX file of unsigned bytes (plain or .gz) as a uint8 tensor, parsed the way torchvision does.
+def read_idx(path: Path, ndim: int | None = None) -> torch.Tensor:
+    """An IDX file of unsigned bytes (plain or .gz) as a uint8 tensor, parsed the way torchvision does;
+    ``ndim``, when given, is the number of dimensions the file must have.
 
     Read directly instead of through ``torchvision.datasets.MNIST``: importing torchvision costs about two
-    seconds, paid again at every restart after a disconnect."""
+    seconds, paid again at every restart after a disconnect. The header is checked before the data is read,
+    and no more data is read than it promises (plus one byte, to see trailing garbage), so a damaged header
+    or a .gz that inflates without end cannot take the memory."""
     with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as handle:
-        data = handle.read()
-    if len(data) < 4 or data[:2] != b"\0\0" or data[2] != 0x08:
-        raise ValueError(f"{path} is not an IDX file of unsigned bytes (bad header)")
-    ndim = data[3]
-    header = 4 + 4 * ndim
-    dims = struct.unpack(f">{ndim}I", data[4:header]) if len(data) >= header else ()
-    if len(dims) != ndim or len(data) - header != math.prod(dims):
-        raise ValueError(f"{path} is truncated or damaged: the header promises shape {dims}")
-    return torch.frombuffer(bytearray(data[header:]), dtype=torch.uint8).reshape(dims)
+        magic = handle.read(4)
+        if len(magic) < 4 or magic[:2] != b"\0\0" or magic[2] != 0x08:
+            raise ValueError(f"{path} is not an IDX file of unsigned bytes (bad header {magic.hex() or 'empty'})")
+        if ndim is not None and magic[3] != ndim:
+            raise ValueError(f"{path} has {magic[3]} dimensions in its header; this file must have {ndim}")
+        raw_dims = handle.read(4 * magic[3])
+        if len(raw_dims) != 4 * magic[3]:
+            raise ValueError(f"{path} is truncated or damaged: its header ends early")
+        dims = struct.unpack(f">{magic[3]}I", raw_dims)
+        size = math.prod(dims)
+        data = bytearray()
+        while len(data) <= size:
+            chunk = handle.read(min(_CHUNK, size + 1 - len(data)))
+            if not chunk:
+                break
+            data += chunk
+    if len(data) != size:
+        found = "more" if len(data) > size else f"{len(data)} bytes"
+        raise ValueError(f"{path} is truncated or damaged: the header promises shape {dims} ({size} bytes of "
+                         f"data), the file holds {found}")
+    return torch.frombuffer(data, dtype=torch.uint8).reshape(dims) if size else torch.zeros(dims, dtype=torch.uint8)
+
+
+def _check_split(images: torch.Tensor, labels: torch.Tensor, image_file: Path, label_file: Path) -> None:
+    """A split the seed model can train on: 28x28 images, one label 0..9 per image, at least one of each.
+    Checked at load, so damaged data is an exit 2 naming the file before training, not a traceback in it."""
+    fix = "Replace it with a good copy of MNIST (or delete it to download it again)."
+    if tuple(images.shape[1:]) != IMAGE_SIZE:
+        shape = "x".join(str(d) for d in images.shape[1:])
+        raise DataUnavailable(f"{image_file} holds images of {shape} pixels; MNIST images are 28x28. {fix}")
+    if images.shape[0] == 0:
+        raise DataUnavailable(f"{image_file} holds no images. {fix}")
+    if labels.shape[0] != images.shape[0]:
+        raise DataUnavailable(f"{image_file} holds {images.shape[0]} images but {label_file} holds "
+                              f"{labels.shape[0]} labels; they must pair up one to one. {fix}")
+    wrong = (labels >= NUM_CLASSES).nonzero()
+    if len(wrong):
+        index = int(wrong[0, 0])
+        raise DataUnavailable(f"{label_file} has label {int(labels[index])} at position {index} (and "
+                              f"{len(wrong)} out of range in all); MNIST labels are 0..9. {fix}")
 
 
 def _download(data_dir: Path) -> None:
@@ -155,18 +192,18 @@ def load_mnist(data_dir: str | Path, device: torch.device, download: bool = True
         except (RuntimeError, OSError, ValueError) as e:
             raise DataUnavailable(_where_message(data_dir, _missing(data_dir) or missing,
                                                  f"the download failed: {e}")) from e
+    files = [_raw_file(data_dir, name) for name in RAW_FILES]
     try:
-        arrays = [read_idx(_raw_file(data_dir, name)) for name in RAW_FILES]
-    except (OSError, ValueError, EOFError) as e:  # EOFError: a truncated .gz
+        arrays = [read_idx(path, ndim=3 if "images" in path.name else 1) for path in files]
+    except (OSError, ValueError, EOFError) as e:  # EOFError: a truncated .gz; BadGzipFile is an OSError
         raise DataUnavailable(f"cannot read MNIST in {expected_location(data_dir)}: {e}. Replace the damaged "
                               f"file with a good copy (or delete it to download it again).") from e
     digest = hashlib.sha256()
     tensors = []
-    for raw, targets in ((arrays[0], arrays[1]), (arrays[2], arrays[3])):
+    for first in (0, 2):  # (train images, labels), (test images, labels)
+        raw, targets = arrays[first], arrays[first + 1]
+        _check_split(raw, targets, files[first], files[first + 1])
         targets = targets.to(torch.int64)
-        if raw.dim() != 3 or targets.shape != raw.shape[:1]:
-            raise DataUnavailable(f"MNIST in {expected_location(data_dir)} is inconsistent: images "
-                                  f"{tuple(raw.shape)} and labels {tuple(targets.shape)} do not pair up")
         digest.update(raw.numpy().tobytes())
         digest.update(targets.numpy().tobytes())
         images = ((raw.to(torch.float32) / 255.0) - MEAN) / STD

@@ -1,21 +1,29 @@
 """``resumable export``: write a run's model weights as a plain state_dict file.
 
 The output loads without resumable: ``model.load_state_dict(torch.load("model.pt", weights_only=True))``.
+
+``--out`` is checked before anything is read or written: a path inside the run's ``checkpoints/`` (it would
+overwrite a checkpoint; symlinks are resolved for this check) and an existing path that is not a regular file
+(a directory, a device node, a FIFO, a symlink: the atomic rename would replace the node itself) are refused
+with exit 2. A chosen checkpoint whose payload cannot be loaded safely is reported and the next one is tried.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import stat
 import sys
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import click
 import torch
 
-from ..checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, checkpoints_dir
+from .. import log
+from ..checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, checkpoints_dir, paths
 from ..checkpoint.format import fsync_dir
 from ..errors import ResumableError
 
@@ -53,16 +61,57 @@ def checkpoint_to_export(run_dir: Path, best: bool = False) -> CheckpointInfo:
     return max(scored, key=lambda i: (i.test_acc, i.step))
 
 
+def _candidates(run_dir: Path, best: bool) -> Iterator[CheckpointInfo]:
+    """The checkpoint :func:`checkpoint_to_export` picks, then the ones to fall back on in order: older valid
+    ones (newest first), or with ``best`` the next best scored ones."""
+    first = checkpoint_to_export(run_dir, best)
+    yield first
+    manager = CheckpointManager(checkpoints_dir(run_dir))
+    if best:
+        scored = [i for i in manager.inspect(deep=True) if i.valid and _is_number(i.test_acc) and i.step != first.step]
+        yield from sorted(scored, key=lambda i: (i.test_acc, i.step), reverse=True)
+        return
+    for step, path in reversed(manager.step_dirs()):
+        if step < first.step:
+            info = manager.check(step, path, deep=True)
+            if info.valid:
+                yield info
+
+
+def check_out(run_dir: Path, out: Path) -> None:
+    """Refuse an ``--out`` that would damage the run or replace something that is not a regular file."""
+    checkpoints = checkpoints_dir(run_dir).resolve()
+    target = out.resolve()  # follows links: a link into checkpoints/ is refused as well
+    if target == checkpoints or checkpoints in target.parents:
+        raise ExportError(f"--out {out} is inside the run's checkpoints ({checkpoints}): writing there would damage a "
+                          f"checkpoint. Give a path outside it, e.g. {Path(run_dir) / 'model.pt'}")
+    try:
+        mode = os.lstat(out).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        raise ExportError(f"--out {out} is a directory; give a file path such as {out / 'model.pt'}")
+    if not stat.S_ISREG(mode):
+        raise ExportError(f"--out {out} exists and is {paths.kind_of(out)}, not a regular file: export replaces only a "
+                          f"regular file. Give another path (or the path of the file itself)")
+
+
 def export_model(run_dir: Path, out: Path, best: bool = False) -> tuple[CheckpointInfo, Path]:
     """Write the model state_dict of the chosen checkpoint to ``out`` atomically; returns (checkpoint, out)."""
     out = Path(out)
-    if out.is_dir():
-        raise ExportError(f"--out {out} is a directory; give a file path such as {out / 'model.pt'}")
-    info = checkpoint_to_export(Path(run_dir), best)
-    try:
-        payload = CheckpointManager(checkpoints_dir(run_dir)).load(info)
-    except InvalidCheckpoint as e:
-        raise ExportError(f"cannot load {info.path}: {e}") from e
+    check_out(Path(run_dir), out)
+    manager = CheckpointManager(checkpoints_dir(run_dir))
+    reasons: list[str] = []
+    for info in _candidates(Path(run_dir), best):
+        try:
+            payload = manager.load(info)
+            break
+        except InvalidCheckpoint as e:  # verified by sha256, still unusable (e.g. a hostile payload structure)
+            log.warning(f"checkpoint {info.step} is invalid: {e}; trying the next one")
+            reasons.append(f"step {info.step}: {e}")
+    else:
+        raise ExportError(f"no checkpoint of {run_dir} could be loaded ({'; '.join(reasons)}); see resumable inspect "
+                          f"{run_dir}")
     model = payload.get("model")
     if not isinstance(model, dict) or not model:
         raise ExportError(f"{info.path} holds no model weights (payload has no 'model' state_dict)")
@@ -104,8 +153,11 @@ def _strip_metadata(metadata: dict[str, Any], prefix: str) -> dict[str, Any]:
 def _save_atomic(obj: Any, out: Path) -> None:
     """torch.save to a temp file beside ``out``, fsync, then rename: ``out`` is never a half-written file."""
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
     try:
-        with open(tmp, "wb") as handle:
+        # O_EXCL | O_NOFOLLOW: a link left at the temp name is never written through
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with os.fdopen(fd, "wb") as handle:
             torch.save(obj, handle)
             handle.flush()
             os.fsync(handle.fileno())
