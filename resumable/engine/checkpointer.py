@@ -186,29 +186,28 @@ class Checkpointer:
         except OSError as e:
             log.warning(f"could not remove the unfinished save {directory} ({e}); the next start removes it")
 
+    def _free(self) -> int | None:
+        """Free bytes where checkpoints go, when there is a size to compare with (the last checkpoint's)."""
+        if not self._last_size:
+            return None
+        try:
+            return shutil.disk_usage(self.manager.root).free
+        except OSError:
+            return None
+
     def check_room(self) -> None:
         """At start: refuse to train when the disk cannot hold one more checkpoint (the last one's size), with
         the figures, instead of failing every save (nothing is changed)."""
-        if not self._last_size:
-            return
-        try:
-            free = shutil.disk_usage(self.manager.root).free
-        except OSError:
-            return
-        if free < self._last_size:
+        free = self._free()
+        if free is not None and free < self._last_size:
             raise ResumableError(f"{self.manager.root} has {free / 1e6:.1f} MB free and a checkpoint needs "
                                  f"{self._last_size / 1e6:.1f} MB: free some space (or lower --keep) and run again; "
                                  f"nothing was changed")
 
     def _check_free_space(self) -> None:
         """Warn before a save that will probably hit ENOSPC (the last checkpoint's size is the estimate)."""
-        if not self._last_size:
-            return
-        try:
-            free = shutil.disk_usage(self.manager.root).free
-        except OSError:
-            return
-        if free < self._last_size * 1.2:
+        free = self._free()
+        if free is not None and free < self._last_size * 1.2:
             log.warning(f"only {free / 1e6:.0f} MB free in {self.manager.root}, and a checkpoint takes "
                         f"{self._last_size / 1e6:.0f} MB: the next save may fail (free space, or lower --keep)")
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from .. import log
+from ..checkpoint import CheckpointManager
+from ..checkpoint.format import step_dir_name
 from ..config import parse_duration
 from ..errors import EXIT_RESUME
 from ..storage.tiered import Mirror
@@ -56,3 +58,23 @@ def summarise(checkpointer: Checkpointer, state: TrainState, outcome: Outcome | 
     else:
         log.info(f"stopped early ({outcome.reason}): state committed at step {state.step}. "
                  f"Run the same command again to continue (exit code {EXIT_RESUME})")
+
+
+def describe_error(error: BaseException) -> str:
+    """How a session that an exception ended is recorded in sessions.jsonl."""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted (Ctrl-C)"
+    return f"error: {type(error).__name__}"
+
+
+def confirm_committed(outcome: Outcome | None, manager: CheckpointManager, step: int) -> Outcome | None:
+    """Before reporting the state committed, read the newest checkpoint back from where it claims to be: a run
+    dir deleted or emptied under a live run must not end in "done" with no checkpoint anywhere."""
+    if outcome is None or outcome.reason in ("save error", "lock lost"):
+        return outcome
+    info = manager.check(step, manager.root / step_dir_name(step), deep=False)
+    if info.valid:
+        return outcome
+    log.error(f"the checkpoint of step {step} is not in {manager.root} any more ({info.reason}): was the run dir "
+              f"deleted or changed while training? Nothing of this session is committed there")
+    return Outcome(False, "checkpoint missing")

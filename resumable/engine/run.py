@@ -22,8 +22,6 @@ running the same code again continues.
 
 from __future__ import annotations
 
-import atexit
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -33,7 +31,6 @@ import torch
 
 from .. import log
 from ..checkpoint import CheckpointManager, checkpoints_dir, describe_age
-from ..checkpoint.format import step_dir_name
 from ..checkpoint.writer import CheckpointWriter, SaveStats
 from ..config import RunOptions, format_duration
 from ..errors import EXIT_RESUME, ResumableError
@@ -51,53 +48,20 @@ from ..reporting.reporters import (
 )
 from ..reporting.tensorboard import TensorBoardLog
 from ..storage.tiered import Mirror
-from . import determinism
+from . import active, determinism
 from .arguments import as_source, budget, device_of, json_value, plain_module, triggers
 from .checkpointer import Checkpointer
 from .data import IndexBatches
 from .distributed import Distributed
 from .elastic import planned_stop_before_restart, record_planned_stop
-from .ending import close_mirror, summarise
+from .ending import close_mirror, confirm_committed, describe_error, summarise
 from .loop import Loop, LoopPlan, Outcome
+from .position import accept_data_change, remap_position
 from .preemption import StopFlag
 from .rundir import Choice, RunDir
 from .sampler import ResumableSampler
 from .state import Stateful, TrainState, as_stateful
 
-_ACTIVE: dict[str, Run] = {}  # open runs of this process by run dir (a re-run notebook cell)
-
-
-def _describe(error: BaseException) -> str:
-    """How a session that an exception ended is recorded in sessions.jsonl."""
-    if isinstance(error, KeyboardInterrupt):
-        return "interrupted (Ctrl-C)"
-    return f"error: {type(error).__name__}"
-
-
-def _close_active(error: BaseException | None) -> None:
-    """End every open Run of this process, recording ``error``: while the interpreter is whole, not at its
-    teardown (a generator finalised then cannot even open sessions.jsonl)."""
-    for run in list(_ACTIVE.values()):
-        try:
-            run.close(error)
-        except Exception:  # noqa: BLE001 - best effort: the exception being reported matters more
-            pass
-
-
-def _install_exit_hooks() -> None:
-    """An exception that leaves ``for ... in run:`` never reaches the generator; close open runs when Python
-    reports it (``sys.excepthook``) and, for anything else, at exit (``atexit``)."""
-    previous = sys.excepthook
-
-    def hook(kind: type[BaseException], error: BaseException, tb: Any) -> None:
-        _close_active(error)
-        previous(kind, error, tb)
-
-    sys.excepthook = hook
-    atexit.register(_close_active, None)
-
-
-_install_exit_hooks()
 _BUILT_IN = ("model", "optimizer", "scheduler", "scaler", "sampler")
 
 
@@ -232,12 +196,12 @@ class Run:
         ``error``: the exception that ended the loop, recorded as how the session ended (``with run:`` passes
         it; an exception that leaves a plain ``for`` loop uncaught is recorded through ``sys.excepthook``)."""
         if error is not None and self._ended_by is None:
-            self._ended_by = _describe(error)
+            self._ended_by = describe_error(error)
         if self._iterator is not None:
             self._iterator.close()
 
     def _iterate(self) -> Iterator[tuple[int, int, Any]]:
-        previous = _ACTIVE.get(self.run_dir)
+        previous = active.get(self.run_dir)
         if previous is not None and previous is not self:  # before choosing: its last save may still commit
             log.info(f"closing the previous Run on {self.run_dir} in this process (a re-run notebook cell?)")
             previous.close()
@@ -247,13 +211,12 @@ class Run:
             rundir, choice = RunDir.open(self.dist, self.run_dir, self.options.cache_dir,
                                          self.options.drive_credentials, self.mode, self.overwrite)
         self._rundir = rundir
-        _ACTIVE[self.run_dir] = self
+        active.add(self.run_dir, self)
         try:
             self._restore(rundir, choice)
             yield from self._train(rundir, choice)
         finally:
-            if _ACTIVE.get(self.run_dir) is self:
-                del _ACTIVE[self.run_dir]
+            active.remove(self.run_dir, self)
             rundir.release()
 
     def _restore(self, rundir: RunDir, choice: Choice) -> None:
@@ -281,7 +244,8 @@ class Run:
                 info = self._checkpointer.resume(
                     choice.latest, choice.skipped, self.computation, self.run_dir, self._api,
                     ignore=frozenset({"num_samples"}) if self.allow_data_change else frozenset())
-                self._accept_data_change(info)
+                if self.allow_data_change:
+                    self.data_change = accept_data_change(info, self.computation.get("num_samples"), self.state)
             except Exception as e:  # noqa: BLE001 - any failure (an OSError too) must reach every rank
                 error = e
             else:
@@ -293,7 +257,7 @@ class Run:
                         error = e
                 saved_world = info.manifest.get("world_size", 1)
                 if saved_world != self.dist.world_size:
-                    self._remap_position(saved_world)
+                    remap_position(self.state, self.sampler, saved_world, self.accumulate, self.dist.world_size)
                 log.info(f"resuming from step {info.step} (epoch {self.state.epoch}, batch "
                          f"{self.state.batch_in_epoch}), saved {describe_age(info.created)}")
         failed = self.dist.all_errors(None if error is None else str(error) if isinstance(error, ResumableError)
@@ -306,36 +270,6 @@ class Run:
         if self.resumed_from is None and not self.model.training:
             log.info("the model was in eval mode; training it in train mode (model.train())")
             self.model.train()
-
-    def _accept_data_change(self, info: Any) -> None:
-        """With ``allow_data_change``: a dataset whose length changed since the checkpoint is taken at an epoch
-        boundary (the next epoch's order is computed for the new length); mid-epoch the old epoch's order
-        cannot go on, so it is refused. Recorded in the session history."""
-        saved = (info.manifest.get("computation") or {}).get("num_samples")
-        now = self.computation.get("num_samples")
-        if not self.allow_data_change or saved is None or saved == now:
-            return
-        if self.state.batch_in_epoch != 0:
-            raise ResumableError(f"the dataset has {now} samples, the checkpoint of step {info.step} was taken in "
-                                 f"the middle of an epoch over {saved}: a changed dataset is accepted at an epoch "
-                                 f"boundary only. Resume with the old data until the epoch ends, or start a new run "
-                                 f"dir")
-        self.data_change = (saved, now)
-        log.warning(f"the dataset changed from {saved} to {now} samples since step {info.step}: epoch "
-                    f"{self.state.epoch + 1} on uses the new data (allow_data_change=True); the run is no longer "
-                    f"comparable with an uninterrupted one over the old data")
-
-    def _remap_position(self, saved_world: int) -> None:
-        """Resume with another number of processes: keep the position in the epoch by sample count."""
-        state, sampler = self.state, self.sampler
-        samples = state.batch_in_epoch * sampler.batch_size * saved_world
-        batch = min(samples // sampler.global_batch, sampler.batches_per_epoch)
-        batch -= batch % self.accumulate
-        log.warning(f"the checkpoint was written by {saved_world} process(es), this run has "
-                    f"{self.dist.world_size}: the position in epoch {state.epoch + 1} is remapped by sample count "
-                    f"(batch {state.batch_in_epoch} → {batch}). Training continues, but is not bit-identical to a "
-                    f"run that kept one world size")
-        state.batch_in_epoch = batch
 
     def _reporters(self, rundir: RunDir) -> Reporters:
         main = self.dist.main
@@ -418,17 +352,7 @@ class Run:
                      f"exits {EXIT_RESUME} for this stop (plain torchrun exits 0)")
 
     def _confirmed(self, outcome: Outcome | None, manager: CheckpointManager) -> Outcome | None:
-        """Before reporting the state committed, read the newest checkpoint back from where it claims to be: a
-        run dir deleted or emptied under a live run must not end in "done" with no checkpoint anywhere."""
-        if outcome is None or outcome.reason in ("save error", "lock lost"):
-            return outcome
-        step = self.state.step
-        info = manager.check(step, manager.root / step_dir_name(step), deep=False)
-        if info.valid:
-            return outcome
-        log.error(f"the checkpoint of step {step} is not in {manager.root} any more ({info.reason}): was the run dir "
-                  f"deleted or changed while training? Nothing of this session is committed there")
-        return Outcome(False, "checkpoint missing")
+        return confirm_committed(outcome, manager, self.state.step)
 
     def _batches(self, loop: Loop) -> Iterator[tuple[int, int, Any]]:
         """The loop's positions turned into batches from the data source, one epoch iterator at a time."""
