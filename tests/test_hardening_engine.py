@@ -124,9 +124,10 @@ def test_sigterm_after_the_reader_of_stderr_went_away(tiny_mnist: Path, tmp_path
     time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 75
+    ended = read_sessions(tmp_path)[-1]
     latest, _ = CheckpointManager(checkpoints_dir(tmp_path)).latest_valid()
-    state = json.loads((latest.path / fmt.MANIFEST).read_text())
-    assert state["reason"] == "SIGTERM", "the final save happened although nobody reads the messages"
+    assert ended.ended == "SIGTERM" and latest.step == ended.end_step, \
+        "the stop committed its state although nobody reads the messages"
 
 
 # -- failures that clean up after themselves -----------------------------------------------------------------
