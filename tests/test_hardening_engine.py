@@ -89,10 +89,27 @@ def _start(run_dir: Path, data: Path, *extra: str) -> subprocess.Popen:
                             stdin=subprocess.DEVNULL)
 
 
+def _wait_until_caught(pid: int, signum: int, timeout: float = 60.0) -> None:
+    """Until ``pid`` has a handler for ``signum`` (its SigCgt mask in /proc), so the signal is sent during
+    start-up but never before the entry point installed its handlers."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            break
+        caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+        if caught & (1 << (signum - 1)):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} never installed a handler for signal {signum}")
+
+
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
 def test_a_stop_signal_during_start_up_is_a_clean_stop(tiny_mnist: Path, tmp_path: Path, name: str) -> None:
     proc = _start(tmp_path, tiny_mnist)
-    time.sleep(0.8)  # the handlers are in place; torch is still importing
+    # Python itself catches SIGINT from the start; SIGHUP only once resumable's start-up handlers are in place.
+    _wait_until_caught(proc.pid, signal.SIGHUP)  # torch is still importing then
     proc.send_signal(getattr(signal, name))
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 75, stderr[-2000:]
