@@ -78,7 +78,7 @@ def _small_checkpoints(root: Path, steps: list[int]) -> CheckpointManager:
 
 
 # -- 1. the path policy ------------------------------------------------------------------------------------
-def _case_manifest_names(tmp_path: Path) -> None:
+def test_path_policy_manifest_names(tmp_path: Path) -> None:
     """Absolute and ``..`` names in a manifest are refused, even when they would verify."""
     run_dir, outside = tmp_path / "run", tmp_path / "outside.txt"
     outside.write_bytes(b"someone else's file\n")
@@ -109,7 +109,7 @@ def _upload(store: Any, folder: str, name: str, source: Path, rename_to: str | N
             [f for f in fake.files.values() if f.title == name][0].title = rename_to
 
 
-def _case_drive_names(tmp_path: Path) -> None:
+def test_path_policy_drive_names(tmp_path: Path) -> None:
     """The loopback Drive: a manifest naming ``../../../escape.txt`` (present under that title) and a TensorBoard
     event file titled ``../../tb-escape``: nothing is written outside the local cache, the older checkpoint is
     restored, the remote one is reported invalid with its reason."""
@@ -150,7 +150,7 @@ def _case_drive_names(tmp_path: Path) -> None:
     assert sorted(board) == ["events.out.tfevents.1"], board  # the hostile title is not listed at all
 
 
-def _case_mounted_links(tmp_path: Path) -> None:
+def test_path_policy_mounted_links(tmp_path: Path) -> None:
     """A mounted Drive folder (MountedDirStore on a tmp folder) with a symlinked step folder and a state.pt that
     is a symlink: neither is listed, so nothing outside the mount is read; the real checkpoint is restored."""
     from resumable.storage.mounted import MountedDirStore
@@ -171,7 +171,7 @@ def _case_mounted_links(tmp_path: Path) -> None:
     assert restore_newest(store, CheckpointManager(checkpoints_dir(cache)), cache, said.append) == 1, said
 
 
-def _case_symlinked_step_dirs(tmp_path: Path) -> None:
+def test_path_policy_symlinked_step_dirs(tmp_path: Path) -> None:
     """Retention, cleanup of unfinished saves and --fresh --overwrite with step dirs (and the TensorBoard dir)
     that are symlinks to folders outside the run dir: only the links go, nothing outside changes."""
     from resumable.engine.rundir import RunDir
@@ -209,7 +209,7 @@ def _case_symlinked_step_dirs(tmp_path: Path) -> None:
     assert _snapshot(outside) == before
 
 
-def _case_export_out(tmp_path: Path) -> None:
+def test_path_policy_export_out(tmp_path: Path) -> None:
     """``export --out`` inside checkpoints/ (directly, or through a link) and onto an existing node that is not a
     regular file: exit 2, nothing written, nothing replaced."""
     from resumable.tools.export import export_command
@@ -234,16 +234,6 @@ def _case_export_out(tmp_path: Path) -> None:
     assert {**_snapshot(run_dir), **_snapshot(tmp_path)} == before
     manager = CheckpointManager(checkpoints_dir(run_dir))
     assert all(info.valid for info in manager.inspect())
-
-
-POLICY_CASES = {"manifest-names": _case_manifest_names, "drive-names": _case_drive_names,
-                "mounted-links": _case_mounted_links, "symlinked-step-dirs": _case_symlinked_step_dirs,
-                "export-out": _case_export_out}
-
-
-@pytest.mark.parametrize("case", sorted(POLICY_CASES))
-def test_path_policy(case: str, tmp_path: Path) -> None:
-    POLICY_CASES[case](tmp_path)
 
 
 # -- 2. hostile files never hang ------------------------------------------------------------------------
