@@ -63,6 +63,10 @@ class RemoteStore(Protocol):
 
     def get_file(self, folder: str, name: str, target: Path) -> None: ...
 
+    def delete_file(self, folder: str, name: str) -> None:
+        """Delete one file permanently (not to the trash); a file or folder that is not there is no error."""
+        ...
+
     def delete_folder(self, folder: str) -> None:
         """Delete a folder permanently (not to the trash); a folder that is not there is no error."""
         ...

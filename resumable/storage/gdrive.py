@@ -237,6 +237,20 @@ class GDriveStore:
                 raise StorageError(f"refusing the name {value!r} on {self.description}: not a plain file name "
                                    f"({problem}); a run folder holds plain names only")
 
+    def delete_file(self, folder: str, name: str) -> None:
+        self._check_names(folder, name)
+        parent = self._folder_id(self._parts(folder), create=False)
+        try:
+            found = self._children(parent, name, folders=False) if parent else []
+        except MissingFile:  # the folder was deleted since its id was cached
+            self._folders.pop(self._parts(folder), None)
+            return
+        for item in found:  # every file of that title: a duplicate someone made must not survive the delete
+            try:  # permanently, like delete_folder: a file in the trash still fills the quota
+                self._call(lambda i=item: self.drive.CreateFile({"id": i["id"]}).Delete(), f"deleting {name}")
+            except MissingFile:  # a retried delete whose first answer was lost: it is gone, as wanted
+                pass
+
     def delete_folder(self, folder: str) -> None:
         parent = self._folder_id(self._parts(folder), create=False)
         if parent is None:

@@ -154,6 +154,20 @@ class MountedDirStore:
 
         self._retry(copy, f"reading {name}")
 
+    def delete_file(self, folder: str, name: str) -> None:
+        _plain(name, self.description)
+
+        def remove() -> None:
+            path = self._dir(folder)
+            if not paths.is_real_dir(path):  # gone, or a link: nothing of this run is there (never followed)
+                return
+            try:  # unlinked, never moved to a trash folder; through a no-follow descriptor of the folder
+                paths.unlink_in_dir(path, name)
+            except FileNotFoundError:  # the folder went meanwhile
+                pass
+
+        self._retry(remove, f"deleting {folder + '/' if folder else ''}{name}")
+
     def delete_folder(self, folder: str) -> None:
         # On the Colab mount a deleted file goes to Drive's trash (the mount offers no permanent delete);
         # checkpoints here are few and rotate slowly, and the Drive API store deletes permanently.

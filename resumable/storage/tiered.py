@@ -3,8 +3,9 @@ background, and on a fresh machine bring the newest durable checkpoint back befo
 
 A checkpoint is durable remotely only once every payload file is uploaded and verified (size, and md5
 where the remote reports one) and then its manifest is uploaded: a remote folder without a manifest is
-never a checkpoint. Remote pruning follows local retention and happens only after a newer checkpoint
-is durable.
+never a checkpoint. A file already durable in an older checkpoint's folder is not uploaded again: the
+remote manifest places it there (placement.py). Remote pruning follows local retention and happens only
+after a newer checkpoint is durable.
 
 The remote is untrusted (anyone may write to a shared Drive folder): a remote manifest is validated like a local
 one, file names from it or from a listing must be plain names, and a download never writes through a link or
@@ -26,12 +27,14 @@ from ..checkpoint import CheckpointManager, paths
 from ..checkpoint import format as fmt
 from ..reporting.history import SESSIONS
 from ..reporting.tensorboard import TENSORBOARD_DIR
+from . import placement
 from .base import RemoteFile, RemoteStore, run_of, same_run
-from .retry import MissingFile, StorageError
+from .durable import describe_remote, durable_steps, remote_checkpoints, remote_entries, remote_manifest
+from .placement import Listings, Placements
+from .retry import StorageError
 
+__all__ = ["Mirror", "describe_remote", "durable_steps", "remote_checkpoints", "restore_newest"]  # durable.py's too
 METRICS = "metrics.jsonl"
-# A real manifest is a few KB; one larger than this on the remote is not downloaded at all.
-MAX_MANIFEST_BYTES = 4 << 20
 
 
 def run_logs(run_dir: Path) -> list[tuple[str, Path]]:
@@ -52,93 +55,9 @@ def md5_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-INCOMPLETE = "incomplete upload (no manifest yet)"
-
-
-def check_remote(remote: RemoteStore, folder: str, scratch: Path) -> tuple[dict | None, str | None]:
-    """(manifest, None) when the remote checkpoint ``folder`` is complete: its manifest is valid (read and checked
-    like a local one, see fmt.read_manifest), every file it lists is a plain name and is present with its size.
-    Otherwise (None, why not)."""
-    try:
-        files = remote.list_files(folder)
-    except MissingFile:  # the folder was pruned after the checkpoint listing (inspect beside a live run)
-        return None, "deleted while it was being read"
-    if fmt.MANIFEST not in files:
-        return None, INCOMPLETE
-    if files[fmt.MANIFEST].size > MAX_MANIFEST_BYTES:
-        return None, f"invalid: its manifest.json has {files[fmt.MANIFEST].size} bytes (at most {MAX_MANIFEST_BYTES})"
-    # Into a scratch folder named like the checkpoint, so the manifest is checked exactly as a local one is (a
-    # temp name: one a kill leaves behind is removed by the next start's cleanup_incomplete).
-    holder = Path(tempfile.mkdtemp(prefix=f".remote-manifest{fmt.TMP_MARK}", dir=scratch))
-    try:
-        (holder / folder).mkdir()
-        try:
-            remote.get_file(folder, fmt.MANIFEST, holder / folder / fmt.MANIFEST)
-        except MissingFile:  # pruned between listing and reading
-            return None, "deleted while it was being read"
-        try:
-            manifest = fmt.read_manifest(holder / folder)
-        except fmt.InvalidCheckpoint as e:
-            return None, f"invalid: {e}"
-    finally:
-        shutil.rmtree(holder, ignore_errors=True)
-    listed = manifest.get("files")
-    if not isinstance(listed, dict) or not listed:
-        return None, "invalid: its manifest lists no files"
-    for name, expected in listed.items():
-        if paths.name_problem(name) is not None:
-            return None, f"invalid: its manifest lists {name!r}, not a plain file name ({paths.name_problem(name)})"
-        size = expected.get("size") if isinstance(expected, dict) else None
-        if name not in files:
-            return None, f"incomplete upload ({name} is missing)"
-        if files[name].size != size:
-            return None, f"incomplete upload ({name} has {files[name].size} bytes, the manifest says {size})"
-    return manifest, None
-
-
-def remote_manifest(remote: RemoteStore, folder: str, scratch: Path) -> dict | None:
-    """The remote manifest of ``folder`` if it is complete and valid (see :func:`check_remote`), else None."""
-    return check_remote(remote, folder, scratch)[0]
-
-
 def _created(manifest: dict | None) -> float:
     value = (manifest or {}).get("created_unix")
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
-
-
-def _remote_entries(remote: RemoteStore, scratch: Path) -> list[tuple[int, str, dict | None, str | None]]:
-    """(step, folder, manifest or None, why not) of every remote checkpoint folder, oldest first."""
-    found = []
-    for folder in remote.list_checkpoints():
-        step = fmt.parse_step_dir(folder)
-        if step is not None and paths.is_plain_name(folder):
-            found.append((step, folder, *check_remote(remote, folder, scratch)))
-    return sorted(found, key=lambda item: item[0])
-
-
-def remote_checkpoints(remote: RemoteStore, scratch: Path) -> list[tuple[int, str, dict | None]]:
-    """(step, folder, manifest or None when not durable) of every remote checkpoint folder, oldest first."""
-    return [(step, folder, manifest) for step, folder, manifest, _ in _remote_entries(remote, scratch)]
-
-
-def describe_remote(remote: RemoteStore, scratch: Path) -> list[dict]:
-    """One entry per remote checkpoint folder, oldest first, saying whether it is durable."""
-    entries = []
-    for step, folder, manifest, reason in _remote_entries(remote, scratch):
-        entries.append({"step": step, "epoch": (manifest or {}).get("epoch"), "durable": manifest is not None,
-                        "valid": manifest is not None, "reason": reason,
-                        "fingerprint": (manifest or {}).get("fingerprint"),
-                        "path": f"{remote.description}/{folder}",
-                        "created": (manifest or {}).get("created_unix"), "run_id": run_of(manifest),
-                        "test_acc": ((manifest or {}).get("metrics") or {}).get("test_acc")})
-    return entries
-
-
-def durable_steps(remote: RemoteStore, scratch: Path, run_id: str | None = None) -> list[int]:
-    """Steps whose checkpoint is complete on the remote, oldest first; with ``run_id``, only those that may
-    belong to that run (same or unknown run id)."""
-    return [entry["step"] for entry in describe_remote(remote, scratch)
-            if entry["durable"] and same_run(entry["run_id"], run_id)]
 
 
 def _drop_stale_cache(local: CheckpointManager, run_dir: Path, run: str | None, newest: tuple[int, dict],
@@ -186,7 +105,7 @@ def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
     they are removed, and the remote's checkpoint is brought back even if its step is lower.
     """
     local.root.mkdir(parents=True, exist_ok=True)
-    entries = _remote_entries(remote, local.root)
+    entries = remote_entries(remote, local.root)
     found = [(step, folder, manifest) for step, folder, manifest, _ in entries]
     durable = [(step, folder, manifest) for step, folder, manifest in found if manifest is not None]
     if not durable:
@@ -200,15 +119,15 @@ def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
     latest_local, _ = local.latest_valid()
     floor = latest_local.step if latest_local else -1
     for step, folder, manifest, reason in entries:
-        if manifest is None and step > floor:
+        if manifest is None and step > floor and reason != placement.HOLDER:
             say(f"warning: skipping remote {folder} on {remote.description}: {reason}")
     for step, folder, manifest in reversed(ours):
         if step <= floor:
             break
         target = paths.real_dir(local.root / folder, say)  # a link there: removed, never written through
         (target / fmt.MANIFEST).unlink(missing_ok=True)
-        for name in manifest["files"]:  # plain names: check_remote refused the manifest otherwise
-            _fetch(remote, folder, name, target)
+        for name, entry in manifest["files"].items():  # plain names: check_remote refused the manifest otherwise
+            _fetch(remote, placement.folder_of(entry, folder), name, target)
         try:
             fmt.verify_files(target, manifest, deep=True)
         except fmt.InvalidCheckpoint as e:
@@ -228,7 +147,7 @@ def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
                         f"file name ({problem})")
                     continue
                 _fetch(remote, TENSORBOARD_DIR, name, board_dir)
-        fmt.write_json_atomic(target / fmt.MANIFEST, manifest)
+        fmt.write_json_atomic(target / fmt.MANIFEST, manifest)  # as on the remote: "folder" keys are only hints here
         say(f"brought checkpoint step {step} back from {remote.description}")
         return step
     return None
@@ -247,6 +166,10 @@ class Mirror:
     checkpoint that has been durable for ``remote.prune_grace_s`` (a mount uploads from its cache later), and
     never one of another run than ``run_id``. ``flush(timeout)`` waits at exit; ``close()`` stops it.
 
+    A file whose bytes an older remote checkpoint of this run already holds is not uploaded again, and a pruned
+    folder keeps the files newer checkpoints use (placement.py): ``bytes`` counts what was uploaded,
+    ``reused_bytes`` what was not.
+
     >>> mirror = Mirror(manager, remote, run_dir, print, run_id=run_id)  # doctest: +SKIP
     """
 
@@ -261,16 +184,21 @@ class Mirror:
         self.clock = clock
         self.durable: set[int] = set()
         self._runs: dict[int, str | None] = {}  # run id of each remote step read or uploaded
+        self.placements = Placements()  # where the remote stores the bytes of each file (placement.py)
         if local.root.is_dir():
-            for step, _folder, manifest in remote_checkpoints(remote, local.root):
+            for step, folder, manifest in remote_checkpoints(remote, local.root):
                 self._runs[step] = run_of(manifest)
-                if manifest is not None and same_run(run_of(manifest), run_id):
-                    self.durable.add(step)
+                if manifest is not None:
+                    ours = same_run(run_of(manifest), run_id)
+                    self.placements.learn(folder, manifest, ours)
+                    if ours:
+                        self.durable.add(step)
         # Found on the remote: how long ago it became durable is unknown, so it counts from now.
         self._durable_at: dict[int, float] = dict.fromkeys(self.durable, clock())
         self.errors: list[str] = []
         self._log_sizes: dict[tuple[str, str], int] = {}  # what this process uploaded of each log
-        self.bytes = 0
+        self.bytes = 0  # uploaded
+        self.reused_bytes = 0  # not uploaded: already durable in an older remote checkpoint's folder
         self.upload_s = 0.0
         self._wake = threading.Event()
         self._idle = threading.Event()
@@ -319,10 +247,11 @@ class Mirror:
             self._idle.set()  # flush() never waits on a thread that has stopped
 
     def _pass(self) -> None:
+        listings = Listings(self.remote)  # each origin folder of a reused file is listed once per pass
         for step in reversed(self.pending()):
             self._check_open()
             try:
-                self._upload(step)
+                self._upload(step, listings)
             except StorageError as e:
                 self.errors.append(f"step {step}: {e}")
                 self.say(f"warning: mirroring step {step} to {self.remote.description} failed: {e}")
@@ -335,27 +264,51 @@ class Mirror:
         except StorageError as e:
             self.errors.append(f"pruning: {e}")
 
-    def _upload(self, step: int) -> None:
+    def _upload(self, step: int, listings: Listings) -> None:
         started = time.monotonic()
         folder = fmt.step_dir_name(step)
         source = self.local.root / folder
         manifest = fmt.read_manifest(source)
-        for name in sorted(manifest["files"]):
+        reused: dict[str, str] = {}
+        md5: dict[str, str] = {}
+        for name, entry in sorted(manifest["files"].items()):
+            where = self.placements.find(name, entry, step, listings)
+            if where is not None:  # the same bytes are durable there: the remote manifest points at them
+                reused[name] = where
+                self.reused_bytes += entry["size"]
+                continue
             path = source / name
             self._check_open()
             got = self.remote.put_file(folder, name, path)
             self._verify(name, path, got)
             self.bytes += got.size
+            md5.update({name: got.md5} if got.md5 else {})
+        listings.forget(folder)
         # The records up to this step are in the logs (flushed before the commit); newer ones are rolled
         # back (metrics) or purged (TensorBoard) on resume. The sessions log is the run's history.
         for log_folder, path in run_logs(self.run_dir):
             self._put_log(log_folder, path)
-        self._check_open()
-        self.remote.put_file(folder, fmt.MANIFEST, source / fmt.MANIFEST)  # last: now it exists remotely
+        body = placement.remote_body(manifest, reused)
+        self._put_manifest(folder, body if body is not manifest else None, source / fmt.MANIFEST)
+        self.placements.learn(folder, body, True, md5)
         self._runs[step] = run_of(manifest)
         self._durable_at[step] = self.clock()  # on a mount: in its cache now, uploaded by Google later
         self.durable.add(step)
         self.upload_s += time.monotonic() - started
+
+    def _put_manifest(self, folder: str, body: dict | None, local: Path) -> None:
+        """Upload the manifest, last: now the checkpoint exists remotely. ``body``: the remote one, when it differs
+        from the local file (it places files in older folders), written to a scratch folder first."""
+        scratch = None if body is None else Path(tempfile.mkdtemp(prefix=f".remote-manifest{fmt.TMP_MARK}",
+                                                                   dir=self.local.root))
+        try:
+            if scratch is not None:
+                fmt.write_json_atomic(scratch / fmt.MANIFEST, body)
+            self._check_open()
+            self.remote.put_file(folder, fmt.MANIFEST, scratch / fmt.MANIFEST if scratch else local)
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
 
     def _put_log(self, folder: str, path: Path) -> None:
         """Upload a log that training may be appending to, as a snapshot, unless it is unchanged (logs only
@@ -397,15 +350,23 @@ class Mirror:
             return
         anchor = max(settled)
         keep = set(self._kept())
-        for folder in self.remote.list_checkpoints():
-            step = fmt.parse_step_dir(folder)
-            if step is None or step >= anchor or step in keep or not self._ours(step, folder):
-                continue
-            self._check_open()
-            self.remote.delete_folder(folder)
+        doomed = [(step, folder) for folder in self.remote.list_checkpoints()
+                  if (step := fmt.parse_step_dir(folder)) is not None and step < anchor and step not in keep
+                  and self._ours(step, folder)]
+        # Files the checkpoints that stay place in a doomed folder keep it, as a holder of just those (placement.py).
+        in_use = self.placements.in_use(folder for _, folder in doomed)
+        for step, folder in doomed:
+            if folder not in in_use:
+                self._check_open()
+                self.remote.delete_folder(folder)
+                self.placements.dropped(folder)
+                self._runs.pop(step, None)
+            elif self.placements.needs_work(folder, in_use[folder]):  # its run id stays known, as a holder's
+                self._check_open()
+                deleted = placement.make_holder(self.remote, folder, in_use[folder])
+                self.placements.held(folder, in_use[folder], deleted)
             self.durable.discard(step)
             self._durable_at.pop(step, None)
-            self._runs.pop(step, None)
 
     def _ours(self, step: int, folder: str) -> bool:
         """Whether the remote folder may belong to this run; one of another run is never deleted."""
@@ -413,7 +374,10 @@ class Mirror:
             return True
         if step not in self._runs:  # appeared after this mirror looked (or was pruned and re-made)
             self._check_open()
-            self._runs[step] = run_of(remote_manifest(self.remote, folder, self.local.root))
+            manifest = remote_manifest(self.remote, folder, self.local.root)
+            if manifest is not None:  # its placements keep files too
+                self.placements.learn(folder, manifest, False)
+            self._runs[step] = run_of(manifest)
         return same_run(self._runs[step], self.run_id)
 
     def flush(self, timeout: float) -> list[int]:

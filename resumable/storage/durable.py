@@ -1,0 +1,114 @@
+"""Which folders of a remote run folder are durable checkpoints, and why the others are not.
+
+A remote checkpoint is durable once its manifest is there and valid (read and checked like a local one) and
+every file it lists is there with its size: in its own folder, or in the older folder the manifest places it in
+(placement.py). The remote is untrusted (anyone may write to a shared Drive folder): names from a manifest or a
+listing must be plain names, and a manifest larger than any real one is not even downloaded.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..checkpoint import format as fmt
+from ..checkpoint import paths
+from . import placement
+from .base import RemoteStore, run_of, same_run
+from .placement import Listings
+from .retry import MissingFile
+
+# A real manifest is a few KB; one larger than this on the remote is not downloaded at all.
+MAX_MANIFEST_BYTES = 4 << 20
+INCOMPLETE = "incomplete upload (no manifest yet)"
+
+
+def check_remote(remote: RemoteStore, folder: str, scratch: Path,
+                 listings: Listings | None = None) -> tuple[dict | None, str | None]:
+    """(manifest, None) when the remote checkpoint ``folder`` is complete: its manifest is valid (read and checked
+    like a local one, see fmt.read_manifest), every file it lists is a plain name and is present with its size,
+    in ``folder`` or in the older folder its entry places it in. Otherwise (None, why not). ``listings``: a
+    cache of folder listings shared by several calls."""
+    listings = listings or Listings(remote)
+    try:
+        files = listings.get(folder)
+    except MissingFile:  # the folder was pruned after the checkpoint listing (inspect beside a live run)
+        return None, "deleted while it was being read"
+    if fmt.MANIFEST not in files:
+        return None, INCOMPLETE
+    if files[fmt.MANIFEST].size > MAX_MANIFEST_BYTES:
+        return None, f"invalid: its manifest.json has {files[fmt.MANIFEST].size} bytes (at most {MAX_MANIFEST_BYTES})"
+    # Into a scratch folder named like the checkpoint, so the manifest is checked exactly as a local one is (a
+    # temp name: one a kill leaves behind is removed by the next start's cleanup_incomplete).
+    holder = Path(tempfile.mkdtemp(prefix=f".remote-manifest{fmt.TMP_MARK}", dir=scratch))
+    try:
+        (holder / folder).mkdir()
+        try:
+            remote.get_file(folder, fmt.MANIFEST, holder / folder / fmt.MANIFEST)
+        except MissingFile:  # pruned between listing and reading
+            return None, "deleted while it was being read"
+        try:
+            manifest = fmt.read_manifest(holder / folder)
+        except fmt.InvalidCheckpoint as e:
+            return None, f"invalid: {e}"
+    finally:
+        shutil.rmtree(holder, ignore_errors=True)
+    listed = manifest.get("files")
+    if not isinstance(listed, dict) or not listed:
+        return None, "invalid: its manifest lists no files"
+    for name, expected in listed.items():
+        if paths.name_problem(name) is not None:
+            return None, f"invalid: its manifest lists {name!r}, not a plain file name ({paths.name_problem(name)})"
+        size = expected.get("size") if isinstance(expected, dict) else None
+        where = placement.folder_of(expected, folder)
+        found, there = (files, "") if where == folder else (listings.files(where), f" in {where}")
+        if name not in found:
+            return None, f"incomplete upload ({name} is missing{there})"
+        if found[name].size != size:
+            return None, f"incomplete upload ({name}{there} has {found[name].size} bytes, the manifest says {size})"
+    return manifest, None
+
+
+def remote_manifest(remote: RemoteStore, folder: str, scratch: Path) -> dict | None:
+    """The remote manifest of ``folder`` if it is complete and valid (see :func:`check_remote`), else None."""
+    return check_remote(remote, folder, scratch)[0]
+
+
+def remote_entries(remote: RemoteStore, scratch: Path) -> list[tuple[int, str, dict | None, str | None]]:
+    """(step, folder, manifest or None, why not) of every remote checkpoint folder, oldest first. A folder without
+    a manifest that holds files of durable checkpoints is a holder (placement.py), not an unfinished upload."""
+    found, listings = [], Listings(remote)
+    for folder in remote.list_checkpoints():
+        step = fmt.parse_step_dir(folder)
+        if step is not None and paths.is_plain_name(folder):
+            found.append((step, folder, *check_remote(remote, folder, scratch, listings)))
+    held = placement.uses((folder, manifest) for _, folder, manifest, _ in found if manifest is not None)
+    found = [(step, folder, manifest, placement.HOLDER if reason == INCOMPLETE and folder in held else reason)
+             for step, folder, manifest, reason in found]
+    return sorted(found, key=lambda item: item[0])
+
+
+def remote_checkpoints(remote: RemoteStore, scratch: Path) -> list[tuple[int, str, dict | None]]:
+    """(step, folder, manifest or None when not durable) of every remote checkpoint folder, oldest first."""
+    return [(step, folder, manifest) for step, folder, manifest, _ in remote_entries(remote, scratch)]
+
+
+def describe_remote(remote: RemoteStore, scratch: Path) -> list[dict]:
+    """One entry per remote checkpoint folder, oldest first, saying whether it is durable."""
+    entries = []
+    for step, folder, manifest, reason in remote_entries(remote, scratch):
+        entries.append({"step": step, "epoch": (manifest or {}).get("epoch"), "durable": manifest is not None,
+                        "valid": manifest is not None, "reason": reason,
+                        "fingerprint": (manifest or {}).get("fingerprint"),
+                        "path": f"{remote.description}/{folder}",
+                        "created": (manifest or {}).get("created_unix"), "run_id": run_of(manifest),
+                        "test_acc": ((manifest or {}).get("metrics") or {}).get("test_acc")})
+    return entries
+
+
+def durable_steps(remote: RemoteStore, scratch: Path, run_id: str | None = None) -> list[int]:
+    """Steps whose checkpoint is complete on the remote, oldest first; with ``run_id``, only those that may
+    belong to that run (same or unknown run id)."""
+    return [entry["step"] for entry in describe_remote(remote, scratch)
+            if entry["durable"] and same_run(entry["run_id"], run_id)]
