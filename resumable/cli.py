@@ -13,14 +13,14 @@ from typing import Any
 
 import click
 
-from .config import AMP_MODES, DEVICES, LR_SCHEDULES, SEED_MAX, TrainConfig, parse_duration, path_problem
+from .config import AMP_MODES, DEVICES, LR_SCHEDULES, SEED_MAX, TrainConfig, parse_duration, parse_size, path_problem
 
 # click parameter name -> TrainConfig field, for options that map one to one.
 _CONFIG_OPTIONS = ("run_dir", "data_dir", "epochs", "max_steps", "batch_size", "lr", "seed", "device",
                    "lr_schedule", "amp", "checkpoint_steps", "checkpoint_every", "mtbf", "time_limit",
                    "sync_checkpoints", "on_save_error",
                    "keep", "keep_best", "log_every", "tensorboard", "download", "progress", "cache_dir",
-                   "drive_credentials", "drive_flush_timeout")
+                   "drive_credentials", "drive_flush_timeout", "store_frozen", "shard_size", "staging_memory")
 
 
 class Duration(click.ParamType):
@@ -39,6 +39,21 @@ class Duration(click.ParamType):
         except ValueError as e:
             extra = f" or {' / '.join(self.allow)}" if self.allow else ""
             self.fail(f"{e}{extra}", param, ctx)
+        return str(value)
+
+
+class Size(click.ParamType):
+    """A size such as 256MB, 2GiB or a number of bytes (kept as text; parsed in one place, config.parse_size)."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx):  # noqa: ANN001 - click's signature
+        if value is None:
+            return value
+        try:
+            parse_size(str(value))
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
         return str(value)
 
 
@@ -121,6 +136,14 @@ def _fail(message: str) -> None:
               help="Also keep the checkpoint with the best test accuracy.")
 @click.option("--log-every", type=click.IntRange(min=1), default=TrainConfig.log_every, show_default=True,
               help="Write a training record to metrics.jsonl every N steps.")
+@click.option("--store-frozen", is_flag=True, default=False,
+              help="Store frozen tensors too (default: tensors without grad that no optimizer owns and that never "
+                   "change are recorded by their sha256 and checked on resume, not written).")
+@click.option("--shard-size", type=Size(), default=TrainConfig.shard_size, show_default=True,
+              help="Most tensor bytes per safetensors file of a checkpoint (e.g. 256MB, 1GiB).")
+@click.option("--staging-memory", type=Size(), default=None,
+              help="Host memory that asynchronous saves copy the state into (e.g. 4GB; 0: none). Training waits "
+                   "while the part that does not fit is written. Default: half of the free host memory.")
 @click.option("--tensorboard", is_flag=True, default=TrainConfig.tensorboard,
               help="Also write TensorBoard events to RUN_DIR/tensorboard (pip install 'resumable[tensorboard]').")
 @click.option("--download/--no-download", default=TrainConfig.download, show_default=True,

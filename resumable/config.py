@@ -51,8 +51,19 @@ class RunOptions:
     log_every: int = 10
     progress: bool = True
     tensorboard: bool = False
+    store_frozen: bool = False  # store frozen tensors too (default: recorded by fingerprint, not written)
+    shard_size: str = "256MB"  # the most tensor bytes per safetensors file of a checkpoint
+    staging_memory: str | None = None  # host memory for asynchronous saves; None: half of the free memory
 
     def __post_init__(self) -> None:
+        for name in ("shard_size", "staging_memory"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    size = parse_size(value)
+                except ValueError as e:
+                    raise ValueError(f"{name}={value!r}: {e}") from None
+                _require(size >= 1 or name == "staging_memory", name, value, "must be at least 1 byte")
         _require(self.epochs >= 1, "epochs", self.epochs, "must be at least 1")
         _require(self.max_steps is None or self.max_steps >= 0, "max_steps", self.max_steps,
                  "must be 0 or more")
@@ -78,6 +89,14 @@ class RunOptions:
         if self.checkpoint_every in (None, "auto"):
             return None
         return parse_duration(self.checkpoint_every)
+
+    @property
+    def shard_size_bytes(self) -> int:
+        return parse_size(self.shard_size)
+
+    @property
+    def staging_memory_bytes(self) -> int | None:
+        return None if self.staging_memory is None else parse_size(self.staging_memory)
 
     @property
     def time_limit_s(self) -> float | None:
@@ -199,6 +218,33 @@ def path_problem(path: str) -> str | None:
 
 
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+SIZE_MAX = 2**60
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in a size such as ``"256MB"``, ``"2GiB"``, ``"1.5GB"`` or a bare number of bytes.
+
+    >>> parse_size("256MB")
+    256000000
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        text = str(text)
+    if not isinstance(text, str):
+        raise ValueError(f"size {text!r} is not a text; write it like 256MB, 2GiB or 0")
+    source = text.strip().lower().replace(" ", "")
+    digits = source.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = source[len(digits):]
+    if unit not in _SIZE_UNITS or not digits or not all(c.isascii() and (c.isdigit() or c == ".") for c in digits) \
+            or digits.count(".") > 1 or digits == ".":
+        raise ValueError(f"size {text!r} is not like 256MB, 2GiB or a number of bytes")
+    value = float(digits) * _SIZE_UNITS[unit]
+    if not math.isfinite(value) or value > SIZE_MAX:
+        raise ValueError(f"size {text!r} is larger than any memory or disk")
+    return int(value)
 
 
 def parse_duration(text: str) -> float:

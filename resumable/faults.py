@@ -18,11 +18,13 @@ FAULTS_ENV = "RESUMABLE_FAULTS"
 @dataclass(frozen=True)
 class Faults:
     """``save_delay_s``: sleep between a checkpoint's payload and its manifest (widens the window a kill can
-    land in). ``skip_rng_restore``: resume without restoring RNG states (a deliberately broken engine, which
+    land in). ``shard_delay_s``: sleep after each shard of a sharded checkpoint is on disk (a kill lands inside a
+multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a deliberately broken engine, which
     chaos must report as DIVERGED)."""
 
     save_delay_s: float = 0.0
     skip_rng_restore: bool = False
+    shard_delay_s: float = 0.0
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -44,6 +46,10 @@ class Faults:
     def before_commit(self) -> None:
         if self.save_delay_s > 0:
             time.sleep(self.save_delay_s)
+
+    def between_shards(self) -> None:
+        if self.shard_delay_s > 0:
+            time.sleep(self.shard_delay_s)
 
 
 NO_FAULTS = Faults()

@@ -65,7 +65,7 @@ def check_amp_resume(data: str, amp: str, root: Path) -> None:
 
     def saving() -> bool:
         ckpts = killed / "checkpoints"
-        return ckpts.is_dir() and any(d.is_dir() and (d / "state.pt").exists() and not (d / "manifest.json").exists()
+        return ckpts.is_dir() and any(d.is_dir() and any(d.glob("shard-*")) and not (d / "manifest.json").exists()
                                       for d in ckpts.iterdir())
 
     _run_until(killed, args, saving, Faults(save_delay_s=2).to_env())

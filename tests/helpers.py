@@ -66,3 +66,49 @@ def small_filesystem(mount_point: Path, size: str) -> Iterator[Path]:
         yield mount_point
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+# -- the payload files of a checkpoint (format 3: shards and meta.pt; formats 1 and 2: state.pt) ---------------
+def shards(step_dir: Path) -> list[Path]:
+    """The tensor shards of a format 3 step dir (``shard-*.safetensors``), in order."""
+    from resumable.checkpoint import format as fmt
+
+    return sorted(p for p in Path(step_dir).glob("shard-*.safetensors") if fmt.TMP_MARK not in p.name)
+
+
+def payload_files(step_dir: Path) -> list[Path]:
+    """Every payload file of a step dir: what is there besides ``manifest.json`` and temp files (format 3:
+    ``meta.pt`` and the shards; formats 1 and 2: ``state.pt``)."""
+    from resumable.checkpoint import format as fmt
+
+    return sorted(p for p in Path(step_dir).iterdir() if p.name != fmt.MANIFEST and fmt.TMP_MARK not in p.name)
+
+
+def replace_bytes(path: Path, data: bytes) -> None:
+    """Give ``path`` new content as a new file. A shard equal to the previous checkpoint's is a hard link to
+    it, so writing the existing file in place would damage the older checkpoint too."""
+    path = Path(path)
+    path.unlink()
+    path.write_bytes(data)
+
+
+def rewrite_payload(step_dir: Path, change) -> dict[str, Any]:  # noqa: ANN001 - a function of the state
+    """Load a checkpoint's state, apply ``change`` to it and write it back in the current format, re-signed
+    (files, fingerprint and seal of the manifest), so only its content is wrong, not its integrity. Returns
+    the new state."""
+    from resumable.checkpoint import format as fmt
+    from resumable.checkpoint.manifest import seal
+    from resumable.checkpoint.sharded import ShardedFormat
+    from resumable.checkpoint.state_format import read_any
+
+    step_dir = Path(step_dir)
+    manifest = json.loads((step_dir / fmt.MANIFEST).read_text())
+    state = read_any(step_dir, manifest)
+    change(state)
+    for name in manifest["files"]:  # new files, never written in place (shards may be linked elsewhere)
+        (step_dir / name).unlink()
+    written = ShardedFormat().begin(step_dir, state).finish()
+    manifest.update(files=written.files, fingerprint=written.fingerprint,
+                    fingerprint_version=written.fingerprint_version)
+    (step_dir / fmt.MANIFEST).write_text(json.dumps(seal(manifest)))
+    return state

@@ -84,8 +84,9 @@ def test_gradient_accumulation_checkpoints_only_between_steps(tmp_path: Path) ->
 
 def test_compiled_model_checkpoints_load_into_the_plain_model(tmp_path: Path) -> None:
     assert example.main(["--run-dir", str(tmp_path), "--compile", "--max-steps", "6"]) == 0
-    latest, _ = CheckpointManager(checkpoints_dir(tmp_path)).latest_valid()
-    weights = fmt.load_payload(latest.path / fmt.PAYLOAD)["model"]
+    manager = CheckpointManager(checkpoints_dir(tmp_path))
+    latest, _ = manager.latest_valid()
+    weights = manager.load(latest)["model"]  # the state as stored (shards and meta.pt)
     assert not any(key.startswith("_orig_mod.") for key in weights)
     example.SmallNet().load_state_dict(weights)  # strict: same keys as the plain model
     assert example.main(["--run-dir", str(tmp_path), "--max-steps", "8"]) == 0  # and resumes uncompiled

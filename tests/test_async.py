@@ -103,18 +103,18 @@ def test_failed_background_save_is_reported_and_previous_stays_newest(tmp_path: 
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     session, model, _ = _session(tmp_path)
     session.save("first", wait=True)
-    original = CheckpointManager.save
+    original = CheckpointManager.commit
 
-    def failing(self, step, payload, meta):
-        (self.root / f"step-{step:09d}").mkdir()
+    def failing(self, step, files, meta):  # the payload files are on disk by now: only the manifest fails
+        assert (self.root / f"step-{step:09d}").is_dir()
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(CheckpointManager, "save", failing)
+    monkeypatch.setattr(CheckpointManager, "commit", failing)
     session.state.step = 5
     session.save("second")
     with pytest.raises(SaveFailed, match="step 5 failed: .*No space left"):
         session.close()
-    monkeypatch.setattr(CheckpointManager, "save", original)
+    monkeypatch.setattr(CheckpointManager, "commit", original)
     latest, skipped = session.manager.latest_valid()
     assert latest.step == 0 and skipped == [], "the failed save's unfinished step dir is removed, not left to count"
     assert not (session.manager.root / "step-000000005").exists()
@@ -122,21 +122,21 @@ def test_failed_background_save_is_reported_and_previous_stays_newest(tmp_path: 
 
 def test_cli_reports_failed_saves_and_exits_75(tiny_mnist: Path, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    original = CheckpointManager.save
+    original = CheckpointManager.commit  # what the engine calls once a save's files are written
     calls = []
 
-    def flaky(self, step, payload, meta):
+    def flaky(self, step, files, meta):
         calls.append(step)
         if len(calls) > 1:
             raise OSError(5, "Input/output error")
-        return original(self, step, payload, meta)
+        return original(self, step, files, meta)
 
-    monkeypatch.setattr(CheckpointManager, "save", flaky)
+    monkeypatch.setattr(CheckpointManager, "commit", flaky)
     result = CliRunner().invoke(train_command, ["--run-dir", str(tmp_path), "--data-dir", str(tiny_mnist),
                                                 "--batch-size", "16", "--checkpoint-steps", "2", "--no-progress"])
     # Every save after the first fails, the last one too: the run ends early with its state not committed.
     assert result.exit_code == 75, result.output
     assert "Input/output error" in result.output and "newest valid checkpoint is still step 2" in result.output
     assert "stopped early (a checkpoint could not be written): the newest valid checkpoint is step 2" in result.output
-    monkeypatch.setattr(CheckpointManager, "save", original)
+    monkeypatch.setattr(CheckpointManager, "commit", original)
     assert CheckpointManager(checkpoints_dir(tmp_path)).latest_valid()[0].step == 2

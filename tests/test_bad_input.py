@@ -8,23 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import rewrite_payload
 from test_resume import _listing, train
 
-from resumable.checkpoint import checkpoints_dir, fingerprint
+from resumable.checkpoint import checkpoints_dir
 from resumable.checkpoint import format as fmt
-from resumable.checkpoint.manifest import seal
 from resumable.cli import train_command
 
 
 def _rewrite_payload(step_dir: Path, change) -> None:
     """Change the payload and re-sign it, so only its content (not its integrity) is wrong."""
-    payload = torch.load(step_dir / fmt.PAYLOAD, weights_only=True)
-    change(payload)
-    entry = fmt.write_payload(step_dir, payload)
-    manifest = json.loads((step_dir / fmt.MANIFEST).read_text())
-    manifest["files"][fmt.PAYLOAD] = entry
-    manifest["fingerprint"] = fingerprint(payload["model"], payload["optimizer"])
-    (step_dir / fmt.MANIFEST).write_text(json.dumps(seal(manifest)))
+    rewrite_payload(step_dir, change)
 
 
 def _extra_layer(payload) -> None:

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import replace_bytes, shards
 
-from resumable.checkpoint import CheckpointManager, InvalidCheckpoint, UnsafeCheckpoint, fingerprint
+from resumable.checkpoint import CheckpointManager, InvalidCheckpoint, UnsafeCheckpoint, digests, fingerprint
 from resumable.checkpoint import format as fmt
+from resumable.checkpoint.sharded import META, shard_name
 
 
 def payload(value: float) -> dict:
@@ -30,11 +32,14 @@ def test_round_trip_and_manifest(tmp_path: Path) -> None:
     assert info.path.name == "step-000000007"
     manifest = json.loads((info.path / "manifest.json").read_text())
     assert manifest["format_version"] == fmt.FORMAT_VERSION and manifest["step"] == 7
-    assert manifest["files"]["state.pt"]["sha256"] == fmt.sha256_file(info.path / "state.pt")
+    assert set(manifest["files"]) == {META, shard_name(0)}, "the tensors in one shard, the rest in meta.pt"
+    for name, entry in manifest["files"].items():
+        path = info.path / name
+        assert entry == {"size": path.stat().st_size, "sha256": fmt.sha256_file(path)}, name
     assert {"torch_version", "python_version", "created"} <= set(manifest)
     loaded = manager.load(manager.latest_valid()[0])
     assert torch.equal(loaded["model"]["w"], torch.full((4, 3), 7.0))
-    assert fingerprint(loaded["model"], loaded["optimizer"]) == info.fingerprint
+    assert digests.of_payload(loaded) == info.fingerprint and info.manifest["fingerprint_version"] == digests.VERSION
     assert not list(tmp_path.rglob("*.tmp-*")), "no temp files after a completed save"
 
 
@@ -48,14 +53,27 @@ def test_fingerprint_is_order_independent_and_content_sensitive() -> None:
 
 
 def _truncate(d: Path) -> None:
-    data = (d / "state.pt").read_bytes()
-    (d / "state.pt").write_bytes(data[: len(data) // 2])
+    shard = shards(d)[0]
+    data = shard.read_bytes()
+    replace_bytes(shard, data[: len(data) // 2])
 
 
 def _flip(d: Path) -> None:
-    data = bytearray((d / "state.pt").read_bytes())
+    shard = shards(d)[0]
+    data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
-    (d / "state.pt").write_bytes(bytes(data))
+    replace_bytes(shard, bytes(data))
+
+
+def _truncate_meta(d: Path) -> None:
+    data = (d / META).read_bytes()
+    (d / META).write_bytes(data[: len(data) // 2])  # meta.pt is always written anew, never linked: in place is safe
+
+
+def _flip_meta(d: Path) -> None:
+    data = bytearray((d / META).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (d / META).write_bytes(bytes(data))
 
 
 def _drop_manifest(d: Path) -> None:
@@ -73,7 +91,8 @@ def _future_version(d: Path) -> None:
 
 
 @pytest.mark.parametrize("corrupt, reason", [
-    (_truncate, "bytes"), (_flip, "sha256"), (_drop_manifest, "no manifest"),
+    (_truncate, "bytes"), (_flip, "sha256"), (_truncate_meta, "bytes"), (_flip_meta, "sha256"),
+    (_drop_manifest, "no manifest"),
     (_garbage_manifest, "unreadable"), (_future_version, "newer"),
 ])
 def test_corrupt_newest_falls_back(tmp_path: Path, corrupt, reason: str) -> None:
@@ -91,13 +110,14 @@ def test_cleanup_removes_only_incomplete_saves(tmp_path: Path) -> None:
     save(manager, 5)
     incomplete = tmp_path / "step-000000006"
     incomplete.mkdir()
-    (incomplete / "state.pt").write_bytes(b"partial")
-    (tmp_path / "step-000000005" / ".state.pt.tmp-123").write_bytes(b"x")
+    (incomplete / shard_name(0)).write_bytes(b"partial")  # what a save killed half-way leaves
+    leftover = tmp_path / "step-000000005" / f".{shard_name(0)}{fmt.TMP_MARK}123"  # a killed process's temp file
+    leftover.write_bytes(b"x")
     flipped = save(manager, 7)
     _flip(flipped.path)  # corrupt but committed: kept for inspection, never silently deleted
     removed = manager.cleanup_incomplete()
     assert incomplete in removed and not incomplete.exists()
-    assert not (tmp_path / "step-000000005" / ".state.pt.tmp-123").exists()
+    assert not leftover.exists()
     assert flipped.path.exists()
     assert manager.latest_valid()[0].step == 5
 
@@ -108,7 +128,7 @@ def test_resave_of_same_step_replaces_atomically(tmp_path: Path) -> None:
     p = payload(99.0)
     manager.save(3, p, {"fingerprint": fingerprint(p["model"], p["optimizer"])})
     info = manager.latest_valid()[0]
-    assert info.step == 3 and info.fingerprint == fingerprint(p["model"], p["optimizer"])
+    assert info.step == 3 and info.fingerprint == digests.of_payload(p)
 
 
 def test_prune_on_disk_across_powers_of_ten(tmp_path: Path) -> None:

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from fakedrive import FakeDrive, make_drive
-from helpers import command, env, final_fingerprint, records, run
+from helpers import command, env, final_fingerprint, payload_files, records, run
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir, fingerprint
+from resumable.checkpoint.sharded import shard_name
 from resumable.cli import main, train_command
 from resumable.storage import StorageError, TransientStorageError, mounted
 from resumable.storage.gdrive import DriveLocation, GDriveStore
@@ -115,12 +116,15 @@ def test_a_partially_uploaded_checkpoint_never_counts(fake: FakeDrive, tmp_path:
     mirror.submit(1)
     assert mirror.flush(10) == []
     _local_checkpoints(tmp_path / "run", [2])
-    # Step 2: its payload is a new file (POST) and its manifest another; fail the manifest's upload for good.
-    fake.inject("storageQuotaExceeded", count=1, match="POST /upload/", skip=1)
+    payload = [p.name for p in payload_files(local.root / "step-000000002")]  # meta.pt and the shard, both small
+    # Step 2: each payload file is a new file (a POST each) and its manifest another; fail the manifest's upload for
+    # good.
+    fake.inject("storageQuotaExceeded", count=1, match="POST /upload/", skip=len(payload))
     mirror.submit(2)
     assert mirror.flush(10) == [2] and mirror.errors
     mirror.close()
-    assert "state.pt" in s.list_files("step-000000002") and "manifest.json" not in s.list_files("step-000000002")
+    listed = s.list_files("step-000000002")
+    assert set(payload) <= set(listed) and "manifest.json" not in listed, (payload, listed, mirror.errors)
     assert durable_steps(s, tmp_path) == [1]
     fresh = CheckpointManager(checkpoints_dir(tmp_path / "fresh"))
     assert restore_newest(s, fresh, tmp_path / "fresh", print) == 1
@@ -343,9 +347,9 @@ def test_fresh_overwrite_on_drive_replaces_the_old_run(fake: FakeDrive, tiny_mni
         monkeypatch.setenv(key, value)
     args = _train_args("gdrive://root/runs/fresh", tiny_mnist, "--max-steps", "6", "--cache-dir", str(tmp_path))
     assert CliRunner().invoke(train_command, args).exit_code == 0
-    old = store(fake, path="runs/fresh").list_files("step-000000006")["state.pt"]
+    old = store(fake, path="runs/fresh").list_files("step-000000006")[shard_name(0)]  # the weights
     result = CliRunner().invoke(train_command, [*args, "--fresh", "--overwrite", "--seed", "5"])
     assert result.exit_code == 0, result.output
     s = store(fake, path="runs/fresh")
     assert durable_steps(s, tmp_path) == [6]
-    assert s.list_files("step-000000006")["state.pt"].md5 != old.md5, "the new run's step 6 was uploaded"
+    assert s.list_files("step-000000006")[shard_name(0)].md5 != old.md5, "the new run's step 6 was uploaded"

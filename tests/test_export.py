@@ -8,9 +8,11 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import replace_bytes, shards
 from torch import nn
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir, fingerprint
+from resumable.checkpoint.sharded import META
 from resumable.tools.export import ExportError, checkpoint_to_export, export_command, export_model
 
 
@@ -76,10 +78,10 @@ def test_best_picks_highest_test_acc_not_newest(tmp_path: Path) -> None:
 def test_corrupt_newest_is_skipped(tmp_path: Path) -> None:
     run_dir, out = tmp_path / "run", tmp_path / "model.pt"
     _local_checkpoints(run_dir, [1, 2], accs=[0.3, 0.8])
-    payload = checkpoints_dir(run_dir) / "step-000000002" / "state.pt"
+    payload = shards(checkpoints_dir(run_dir) / "step-000000002")[0]
     data = bytearray(payload.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the sha256 catches it
-    payload.write_bytes(bytes(data))
+    replace_bytes(payload, bytes(data))
 
     for extra in ([], ["--best"]):
         result = invoke(str(run_dir), "--out", str(out), *extra)
@@ -104,7 +106,7 @@ def test_no_valid_checkpoint_and_best_without_test_acc(tmp_path: Path) -> None:
     _local_checkpoints(run_dir, [1])
     with pytest.raises(ExportError, match="--best: no valid checkpoint .* records test_acc"):
         checkpoint_to_export(run_dir, best=True)
-    (checkpoints_dir(run_dir) / "step-000000001" / "state.pt").write_bytes(b"garbage")
+    (checkpoints_dir(run_dir) / "step-000000001" / META).write_bytes(b"garbage")
     for best in (False, True):
         with pytest.raises(ExportError, match=r"no valid checkpoint in .*\(1 invalid\)"):
             checkpoint_to_export(run_dir, best=best)

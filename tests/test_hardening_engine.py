@@ -196,15 +196,15 @@ def test_a_record_that_cannot_be_written_never_stops_training(tmp_path: Path, mo
 
 
 def test_a_run_dir_emptied_under_a_live_run_does_not_end_in_done(tmp_path: Path, monkeypatch) -> None:
-    real = CheckpointManager.save
+    real = CheckpointManager.commit  # what the engine calls once a save's files are written
 
-    def save_then_lose_it(self, step, payload, meta):
-        info = real(self, step, payload, meta)
+    def commit_then_lose_it(self, step, files, meta):
+        info = real(self, step, files, meta)
         if step == 10:  # the final checkpoint commits, then someone deletes the run's checkpoints
             shutil.rmtree(self.root)
         return info
 
-    monkeypatch.setattr(CheckpointManager, "save", save_then_lose_it)
+    monkeypatch.setattr(CheckpointManager, "commit", commit_then_lose_it)
     run = train(tiny_run(tmp_path, checkpoint_steps=4, max_steps=10))
     assert not run.finished and run.exit_code == 75 and run.outcome.reason == "checkpoint missing"
 

@@ -4,7 +4,8 @@ One test per class, each over several cases:
 - the path policy: names from a manifest or from Drive are plain names, symlinks are never followed when
   deleting, ``export --out`` never lands in the checkpoints or on a node that is not a regular file;
 - hostile files never hang a command: an absolute name in a manifest (/dev/zero, /etc/hostname), a FIFO named
-  state.pt and a pickle memo bomb each end within a bound, report the checkpoint invalid and fall back;
+  meta.pt (the file torch.load reads) and a pickle memo bomb each end within a bound, report the checkpoint
+  invalid and fall back;
 - a payload's structure is measured as a tree before anything walks it, and loading has a time bound.
 """
 
@@ -23,10 +24,11 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import run
+from helpers import payload_files, run, shards
 
 from resumable.checkpoint import CheckpointManager, InvalidCheckpoint, checkpoints_dir, fingerprint
 from resumable.checkpoint import format as fmt
+from resumable.checkpoint.sharded import KIND, META
 
 # Generous for a loaded CI machine, far below "forever"; RESUMABLE_TEST_HANG_S lowers it to check old code fast.
 HANG_S = float(os.environ.get("RESUMABLE_TEST_HANG_S", "60"))
@@ -132,7 +134,8 @@ def test_path_policy_drive_names(tmp_path: Path) -> None:
                             RetryPolicy(attempts=3, base_s=0.01))
         for step in (1, 2):
             folder = fmt.step_dir_name(step)
-            _upload(store, folder, fmt.PAYLOAD, _step(source, step) / fmt.PAYLOAD)
+            for payload in payload_files(_step(source, step)):  # meta.pt and the shards
+                _upload(store, folder, payload.name, payload)
             if step == 2:
                 _upload(store, folder, "evil", evil, "../../../escape.txt", fake)
             _upload(store, folder, fmt.MANIFEST, _step(source, step) / fmt.MANIFEST)
@@ -151,8 +154,9 @@ def test_path_policy_drive_names(tmp_path: Path) -> None:
 
 
 def test_path_policy_mounted_links(tmp_path: Path) -> None:
-    """A mounted Drive folder (MountedDirStore on a tmp folder) with a symlinked step folder and a state.pt that
-    is a symlink: neither is listed, so nothing outside the mount is read; the real checkpoint is restored."""
+    """A mounted Drive folder (MountedDirStore on a tmp folder) with a symlinked step folder and payload files
+    (meta.pt, shards) that are symlinks: none is listed, so nothing outside the mount is read; the real checkpoint
+    is restored."""
     from resumable.storage.mounted import MountedDirStore
     from resumable.storage.tiered import restore_newest
 
@@ -162,9 +166,12 @@ def test_path_policy_mounted_links(tmp_path: Path) -> None:
     os.symlink(_step(elsewhere, 3), _step(mount, 3))
     (_step(mount, 4)).mkdir()
     shutil.copy(_step(elsewhere, 4) / fmt.MANIFEST, _step(mount, 4) / fmt.MANIFEST)
-    os.symlink(_step(elsewhere, 4) / fmt.PAYLOAD, _step(mount, 4) / fmt.PAYLOAD)
+    linked = [payload.name for payload in payload_files(_step(elsewhere, 4))]
+    assert META in linked and len(linked) > 1
+    for name in linked:
+        os.symlink(_step(elsewhere, 4) / name, _step(mount, 4) / name)
     store = MountedDirStore(mount, prune_grace_s=0)
-    assert fmt.PAYLOAD not in store.list_files(fmt.step_dir_name(4))
+    assert not set(linked) & set(store.list_files(fmt.step_dir_name(4)))
     assert fmt.step_dir_name(3) not in store.list_checkpoints()
     cache = tmp_path / "cache"
     said: list[str] = []
@@ -219,8 +226,9 @@ def test_path_policy_export_out(tmp_path: Path) -> None:
     fifo, device, folder, link = tmp_path / "fifo", tmp_path / "null", tmp_path / "folder", tmp_path / "link.pt"
     os.mkfifo(fifo)
     folder.mkdir()
-    os.symlink(_step(run_dir, 2) / fmt.PAYLOAD, link)
-    targets = [_step(run_dir, 2) / fmt.PAYLOAD, checkpoints_dir(run_dir) / "model.pt", link, fifo, folder]
+    os.symlink(_step(run_dir, 2) / META, link)
+    targets = [_step(run_dir, 2) / META, shards(_step(run_dir, 2))[0], checkpoints_dir(run_dir) / "model.pt", link,
+               fifo, folder]
     try:
         os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # a /dev/null of our own
         targets.append(device)
@@ -262,19 +270,18 @@ def _damage(step_dir: Path, how: str) -> str:
             {"size": target.stat().st_size, "sha256": hashlib.sha256(target.read_bytes()).hexdigest()}
         _rewrite_manifest(step_dir, lambda body: body["files"].__setitem__(str(target), entry))
         return str(target)
-    if how == "fifo":
-        (step_dir / fmt.PAYLOAD).unlink()
-        os.mkfifo(step_dir / fmt.PAYLOAD)
-        _rewrite_manifest(step_dir, lambda body: body["files"].__setitem__(fmt.PAYLOAD, {"size": 0,
-                                                                                       "sha256": EMPTY_SHA}))
+    if how == "fifo":  # instead of meta.pt, the file torch.load reads
+        (step_dir / META).unlink()
+        os.mkfifo(step_dir / META)
+        _rewrite_manifest(step_dir, lambda body: body["files"].__setitem__(META, {"size": 0, "sha256": EMPTY_SHA}))
         return "FIFO"
     assert how == "memo-bomb"
-    payload = torch.load(step_dir / fmt.PAYLOAD, weights_only=True)
-    payload["model"]["bomb"] = _memo_bomb()
-    torch.save(payload, step_dir / fmt.PAYLOAD)
-    data = (step_dir / fmt.PAYLOAD).read_bytes()
+    meta = torch.load(step_dir / META, weights_only=True)
+    meta["tree"]["model"]["bomb"] = _memo_bomb()
+    torch.save(meta, step_dir / META)  # meta.pt is never hard-linked to another checkpoint's: rewritten in place
+    data = (step_dir / META).read_bytes()
     entry = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}  # it verifies: only its shape is bad
-    _rewrite_manifest(step_dir, lambda body: body["files"].__setitem__(fmt.PAYLOAD, entry))
+    _rewrite_manifest(step_dir, lambda body: body["files"].__setitem__(META, entry))
     return "payload structure"
 
 
@@ -309,7 +316,7 @@ def test_hostile_checkpoint_ends_quickly_and_falls_back(how: str, trained: Path,
         assert json.loads(inspect.stdout)["latest_valid"]["step"] == 4
         assert "step 6" in verify.stdout and reason in verify.stdout, verify.stdout
     else:
-        assert f"checkpoint 6 is invalid: {reason}" in export.stderr.replace("state.pt: ", ""), export.stderr
+        assert f"checkpoint 6 is invalid: {reason}" in export.stderr.replace(f"{META}: ", ""), export.stderr
     assert export.returncode == 0 and "step 4 " in export.stdout and out.is_file(), export.stdout + export.stderr
 
     assert resume.returncode == 0, resume.stderr
@@ -343,12 +350,21 @@ def _structure_bomb(kind: str) -> Any:
     return {"model": {"deep": deep}}
 
 
+def _hostile_meta(manager: CheckpointManager, step: int, state: Any):  # noqa: ANN202 - a CheckpointInfo
+    """A committed format 3 checkpoint whose meta.pt (the file torch.load reads) holds ``state`` as its tree, its
+    tensors inline, with a consistent manifest: only the structure is wrong. (resumable's writer walks the state
+    as a tree, so it cannot write a memo bomb or a cycle itself: the file is made here as an attacker would.)"""
+    directory = manager.begin(step)
+    entry = fmt.write_payload(directory, {"kind": KIND, "tree": state, "tensors": []}, META)
+    return manager.commit(step, {META: entry}, {"fingerprint": "0" * 64})
+
+
 @pytest.mark.parametrize("case", ["list-bomb", "dict-bomb", "tuple-bomb", "cycle", "deep", "shared-ok",
                                   "time-bound"])
 def test_payload_structure_checked_before_walk(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     manager = CheckpointManager(checkpoints_dir(tmp_path))
     if case == "shared-ok":
-        from resumable.checkpoint.state_format import check_structure
+        from resumable.checkpoint.state_format import TorchFile, check_structure
 
         # What real checkpoints hold: a synchronous save shares the RNG dict between "rng" and "ranks", and Adam's
         # param groups share one betas tuple. Sharing is fine; only the size of a walk is bounded.
@@ -357,23 +373,38 @@ def test_payload_structure_checked_before_walk(case: str, tmp_path: Path, monkey
         rng = {"torch": torch.get_rng_state()}
         payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng,
                    "ranks": [{"rng": rng}]}
-        info = manager.save(1, payload, {"fingerprint": fingerprint(payload["model"], payload["optimizer"])})
-        loaded = manager.load(info)
+        assert check_structure(payload) < 100
+        # state.pt (formats 1 and 2) keeps the sharing through torch.save, and reading it back accepts it
+        old = CheckpointManager(checkpoints_dir(tmp_path / "old"), state_format=TorchFile())
+        info = old.save(1, payload, {"fingerprint": fingerprint(payload["model"], payload["optimizer"])})
+        loaded = old.load(info)
         assert loaded["ranks"][0]["rng"] is loaded["rng"]  # the sharing survived the round trip
+        assert check_structure(loaded) < 100
+        # format 3 writes the state as a tree (meta.pt shares nothing): the same values come back at both places
+        info = manager.save(1, payload, {})
+        loaded = manager.load(info)
+        assert torch.equal(loaded["ranks"][0]["rng"]["torch"], loaded["rng"]["torch"])
         assert check_structure(loaded) < 100
         return
     if case == "time-bound":
+        from resumable.checkpoint.sharded import ShardedFormat
         from resumable.checkpoint.state_format import TorchFile
 
-        info = manager.save(1, {"model": {"w": torch.zeros(4)}}, {})
+        old = CheckpointManager(checkpoints_dir(tmp_path / "old"), state_format=TorchFile())  # format 1/2 state.pt
+        info = old.save(1, {"model": {"w": torch.zeros(4)}}, {})
         with pytest.raises(InvalidCheckpoint, match=r"longer than .* \(on state\.pt"):
             TorchFile(load_timeout_s=1e-9).read(info.path, info.manifest or {})
+        info = manager.save(1, {"model": {"w": torch.zeros(4)}}, {})  # format 3: meta.pt is read first
+        with pytest.raises(InvalidCheckpoint, match=r"longer than .* \(on meta\.pt"):
+            ShardedFormat(load_timeout_s=1e-9).read(info.path, info.manifest or {})
         monkeypatch.setenv("RESUMABLE_LOAD_TIMEOUT_S", "nan")
         with pytest.raises(ValueError, match="RESUMABLE_LOAD_TIMEOUT_S='nan'"):
             TorchFile()
+        with pytest.raises(ValueError, match="RESUMABLE_LOAD_TIMEOUT_S='nan'"):
+            ShardedFormat()
         return
-    info = manager.save(1, _structure_bomb(case), {})
-    assert (info.path / fmt.PAYLOAD).stat().st_size < 200_000
+    info = _hostile_meta(manager, 1, _structure_bomb(case))
+    assert (info.path / META).stat().st_size < 200_000
     started = time.monotonic()
     with pytest.raises(InvalidCheckpoint, match="payload structure"):
         manager.load(info)

@@ -26,10 +26,12 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import command, env, final_fingerprint, run
+from helpers import command, env, final_fingerprint, replace_bytes, run, shards
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir, fingerprint
 from resumable.checkpoint import format as fmt
+from resumable.checkpoint.sharded import META
+from resumable.checkpoint.state_format import TorchFile
 from resumable.cli import main
 from resumable.faults import Faults
 from resumable.reporting.history import SessionLog, read_sessions
@@ -94,9 +96,10 @@ def _write(step_dir: Path, content: dict[str, Any] | str) -> None:
     (step_dir / fmt.MANIFEST).write_text(text, encoding="utf-8")
 
 
-def _saved_manager(root: Path) -> CheckpointManager:
-    """Checkpoints at steps 2 and 4 written by CheckpointManager.save with the fields a real run records."""
-    manager = CheckpointManager(root)
+def _saved_manager(root: Path, state_format: Any = None) -> CheckpointManager:
+    """Checkpoints at steps 2 and 4 written by CheckpointManager.save with the fields a real run records
+    (``state_format``: TorchFile() for the state.pt layout of formats 1 and 2)."""
+    manager = CheckpointManager(root, state_format=state_format)
     for step in (2, 4):
         payload = {"model": {"w": torch.full((4,), float(step))}, "optimizer": {}}
         manager.save(step, payload, {
@@ -119,11 +122,11 @@ def _set(key: str, value: Any) -> Callable[[dict], dict]:
 
 
 def _set_file(**entry: Any) -> Callable[[dict], dict]:
-    return lambda m: {**m, "files": {fmt.PAYLOAD: {**m["files"][fmt.PAYLOAD], **entry}}}
+    return lambda m: {**m, "files": {**m["files"], META: {**m["files"][META], **entry}}}
 
 
 def _rename_file(name: str) -> Callable[[dict], dict]:
-    return lambda m: {**m, "files": {name: m["files"][fmt.PAYLOAD]}}
+    return lambda m: {**m, "files": {**{k: v for k, v in m["files"].items() if k != META}, name: m["files"][META]}}
 
 
 def _very_deep(m: dict) -> str:
@@ -150,11 +153,11 @@ MALFORMED = [
     ("computation-null", _set("computation", None), "'computation'"),
     ("world-size-zero", _set("world_size", 0), "'world_size'"),
     ("run-id-number", _set("run_id", 7), "'run_id'"),
-    ("file-entry-null", lambda m: {**m, "files": {fmt.PAYLOAD: None}}, "'files'"),
+    ("file-entry-null", lambda m: {**m, "files": {**m["files"], META: None}}, "'files'"),
     ("file-size-string", _set_file(size="1000"), "'files'"),
     ("file-sha-number", _set_file(sha256=12345), "'files'"),
     ("file-absolute-name", _rename_file("/etc/hostname"), "plain name"),
-    ("file-traversal-name", _rename_file("../step-000000002/state.pt"), "plain name"),
+    ("file-traversal-name", _rename_file(f"../step-000000002/{META}"), "plain name"),
     ("deep-nesting", _set("config", _nested(100)), "nested"),
     ("very-deep-nesting", _very_deep, "nested"),
     ("huge-manifest", _set("config", {"x": "y" * (5 << 20)}), "bytes"),
@@ -217,8 +220,8 @@ FLIPS = [
     ("epoch", lambda m: {**m, "epoch": m["epoch"] + 1}),
     ("batch-in-epoch", lambda m: {**m, "batch_in_epoch": m["batch_in_epoch"] + 1}),
     ("file-size", _set_file(size=12345)),
-    ("file-sha256", lambda m: _set_file(sha256=("0" if m["files"][fmt.PAYLOAD]["sha256"][0] != "0" else "1")
-                                        + m["files"][fmt.PAYLOAD]["sha256"][1:])(m)),
+    ("file-sha256", lambda m: _set_file(sha256=("0" if m["files"][META]["sha256"][0] != "0" else "1")
+                                        + m["files"][META]["sha256"][1:])(m)),
     ("fingerprint", lambda m: {**m, "fingerprint": m["fingerprint"][::-1]}),
     ("run-id", _set("run_id", "someone-else")),
     ("test-acc", lambda m: {**m, "metrics": {"test_acc": 0.99}}),
@@ -263,7 +266,7 @@ def test_flipped_manifest_resumes_from_previous_and_ends_bit_identical(tiny_mnis
 
 
 def test_format_1_manifest_is_still_read_with_a_note(tmp_path: Path) -> None:
-    manager = _saved_manager(tmp_path / "checkpoints")
+    manager = _saved_manager(tmp_path / "checkpoints", state_format=TorchFile())  # format 1 wrote state.pt
     step_dir = _step_dir(tmp_path, 4)
     old = {k: v for k, v in _manifest(step_dir).items() if k != "manifest_sha256"}
     _write(step_dir, {**old, "format_version": 1})
@@ -375,7 +378,8 @@ def test_damaged_jsonl_resume_inspect_and_plot(tiny_mnist: Path, base_run: Path,
 
 # -- 4. verify and inspect after a kill in the middle of a save -------------------------------------------------
 def _unfinished_payload(step_dir: Path) -> bool:
-    return step_dir.is_dir() and (step_dir / fmt.PAYLOAD).exists() and not (step_dir / fmt.MANIFEST).exists()
+    # meta.pt is the last payload file a save writes, after its shards
+    return step_dir.is_dir() and (step_dir / META).exists() and not (step_dir / fmt.MANIFEST).exists()
 
 
 def test_verify_after_a_kill_in_the_middle_of_a_save(tiny_mnist: Path, base_run: Path, tmp_path: Path) -> None:
@@ -415,8 +419,8 @@ def _empty_unfinished(run_dir: Path) -> None:
 def _unfinished_behind_corrupt(run_dir: Path) -> None:
     shutil.copytree(_step_dir(run_dir, 4), _step_dir(run_dir, 6))
     (_step_dir(run_dir, 6) / fmt.MANIFEST).unlink()
-    payload = _step_dir(run_dir, 4) / fmt.PAYLOAD
-    payload.write_bytes(payload.read_bytes()[:-10])
+    payload = shards(_step_dir(run_dir, 4))[0]
+    replace_bytes(payload, payload.read_bytes()[:-10])  # a new file: the shard may be step 2's too (a hard link)
 
 
 def _only_unfinished(run_dir: Path) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from click.testing import CliRunner
+from helpers import replace_bytes, shards
 from test_resume import train
 
 from resumable.checkpoint import checkpoints_dir
@@ -23,10 +24,10 @@ def test_inspect_and_verify(tiny_mnist: Path, tmp_path: Path) -> None:
     assert "latest valid" in text and "valid" in text
     assert runner.invoke(main, ["verify", str(tmp_path)]).exit_code == 0
 
-    payload = checkpoints_dir(tmp_path) / "step-000000008" / "state.pt"
+    payload = shards(checkpoints_dir(tmp_path) / "step-000000008")[0]
     data_bytes = bytearray(payload.read_bytes())
     data_bytes[200] ^= 0xFF
-    payload.write_bytes(bytes(data_bytes))
+    replace_bytes(payload, bytes(data_bytes))  # a new file: the shard may be linked into step 6 too
     data = json.loads(runner.invoke(main, ["inspect", "--json", str(tmp_path)]).output)
     assert data["latest_valid"]["step"] == 6
     assert data["checkpoints"][-1]["valid"] is False and "sha256" in data["checkpoints"][-1]["reason"]

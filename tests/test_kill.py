@@ -18,6 +18,7 @@ from helpers import command, env, final_fingerprint, records, run
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.checkpoint import format as fmt
+from resumable.checkpoint.sharded import META
 from resumable.faults import Faults
 from resumable.reporting.metrics import read_records
 
@@ -42,7 +43,8 @@ def _max_logged_step(run_dir: Path) -> int:
 
 
 def _save_in_progress(run_dir: Path) -> bool:
-    return any(not (p / fmt.MANIFEST).exists() and (p / fmt.PAYLOAD).exists()
+    """A save whose payload is written (meta.pt comes last, after the shards) and whose manifest is not yet."""
+    return any(not (p / fmt.MANIFEST).exists() and (p / META).exists()
                for _, p in CheckpointManager(checkpoints_dir(run_dir)).step_dirs())
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import final_fingerprint, records
+from helpers import final_fingerprint, records, replace_bytes, shards
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.cli import train_command
@@ -53,13 +53,15 @@ def test_metrics_after_the_resumed_step_are_rolled_back(tiny_mnist: Path, tmp_pa
 
 
 def _truncate(d: Path) -> None:
-    (d / "state.pt").write_bytes((d / "state.pt").read_bytes()[:1000])
+    shard = shards(d)[0]
+    replace_bytes(shard, shard.read_bytes()[:1000])
 
 
 def _flip(d: Path) -> None:
-    data = bytearray((d / "state.pt").read_bytes())
+    shard = shards(d)[-1]
+    data = bytearray(shard.read_bytes())
     data[-100] ^= 0xFF
-    (d / "state.pt").write_bytes(bytes(data))
+    replace_bytes(shard, bytes(data))
 
 
 def _drop_manifest(d: Path) -> None:
@@ -169,13 +171,15 @@ def test_malicious_newest_payload_is_refused_and_skipped(tiny_mnist: Path, tmp_p
 
     from resumable.checkpoint import format as fmt
     from resumable.checkpoint.manifest import seal
+    from resumable.checkpoint.sharded import META
 
     train(tmp_path, tiny_mnist, "--max-steps", "4", "--checkpoint-steps", "2")
     newest = checkpoints_dir(tmp_path) / "step-000000004"
     Evil.marker = tmp_path / "pwned"
-    entry = fmt.write_payload(newest, {"model": Evil()})  # a consistent manifest: only weights_only stops it
+    # meta.pt is the file torch.load reads; a consistent manifest: only weights_only stops it
+    entry = fmt.write_payload(newest, {"model": Evil()}, META)
     manifest = json.loads((newest / "manifest.json").read_text())
-    manifest["files"]["state.pt"] = entry
+    manifest["files"][META] = entry
     (newest / "manifest.json").write_text(json.dumps(seal(manifest)))  # re-sealed: only the payload is wrong
     output = train(tmp_path, tiny_mnist, "--max-steps", "6")
     assert "skipping checkpoint step 4" in output and "refused" in output

@@ -3,8 +3,10 @@
 Layout::
 
     RUN_DIR/checkpoints/step-000001234/
-        state.pt        torch.save of plain containers and tensors (weights_only loadable)
-        manifest.json   format version, step, sizes and sha256 of every file, fingerprint, config
+        shard-00000.safetensors ...  the state's tensors (format 3, see sharded.py)
+        meta.pt                      everything else, and where each tensor is (weights_only loadable)
+        state.pt                     formats 1 and 2 instead: torch.save of the whole state (weights_only loadable)
+        manifest.json                format version, step, sizes and sha256 of every file, fingerprint, config
 
 A directory is a checkpoint only if its manifest parses, has a known format version, and every file it
 lists exists with the recorded size and sha256. The manifest is replaced atomically (temp file, fsync,
@@ -30,7 +32,7 @@ import torch
 from . import paths
 
 FORMAT_NAME = "resumable-checkpoint"
-FORMAT_VERSION = 2  # 2: the manifest carries manifest_sha256 of its own body; 1 is still read
+FORMAT_VERSION = 3  # 3: sharded safetensors payload; 2: the manifest carries manifest_sha256; 1 and 2 are read
 MANIFEST = "manifest.json"
 PAYLOAD = "state.pt"
 TMP_MARK = ".tmp-"
@@ -66,7 +68,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class _HashingWriter:
+class HashingWriter:
     """File wrapper that hashes bytes as torch.save streams them, so the payload is read once."""
 
     def __init__(self, handle: io.BufferedWriter) -> None:
@@ -83,11 +85,11 @@ class _HashingWriter:
         self._handle.flush()
 
 
-def _tmp_path(path: Path) -> Path:
+def tmp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
 
 
-def _create(tmp: Path, mode: str) -> io.IOBase:
+def create_new(tmp: Path, mode: str) -> io.IOBase:
     """A new file at ``tmp`` for writing: whatever a killed save (or anyone) left there is unlinked first, and
     O_EXCL | O_NOFOLLOW make sure the write never goes through a link planted at that name."""
     tmp.unlink(missing_ok=True)
@@ -98,9 +100,9 @@ def _create(tmp: Path, mode: str) -> io.IOBase:
 def write_payload(directory: Path, obj: Any, name: str = PAYLOAD) -> dict[str, Any]:
     """torch.save ``obj`` to ``directory/name`` atomically; returns ``{"size", "sha256"}``."""
     final = directory / name
-    tmp = _tmp_path(final)
-    with _create(tmp, "wb") as handle:
-        writer = _HashingWriter(handle)
+    tmp = tmp_path(final)
+    with create_new(tmp, "wb") as handle:
+        writer = HashingWriter(handle)
         try:
             torch.save(obj, writer)
         except RuntimeError as e:
@@ -118,8 +120,8 @@ def write_payload(directory: Path, obj: Any, name: str = PAYLOAD) -> dict[str, A
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     """Write JSON so that ``path`` holds either the old or the complete new content, never a mix."""
-    tmp = _tmp_path(path)
-    with _create(tmp, "w") as handle:
+    tmp = tmp_path(path)
+    with create_new(tmp, "w") as handle:
         json.dump(data, handle, indent=2, sort_keys=True)
         handle.write("\n")
         handle.flush()

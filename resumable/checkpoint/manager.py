@@ -1,7 +1,8 @@
 """Save, list, validate, load and prune checkpoints in one directory.
 
-Commit protocol for ``save``: invalidate any old manifest of that step, write the payload (temp file,
-fsync, rename), then write ``manifest.json`` atomically. Pruning runs only after a commit and removes a
+Commit protocol for a save: invalidate any old manifest of that step (:meth:`CheckpointManager.begin`), write
+the payload files (each a temp file, fsync, rename; see state_format.py and sharded.py), then write
+``manifest.json`` atomically (:meth:`CheckpointManager.commit`). Pruning runs only after a commit and removes a
 checkpoint's manifest first, so a prune interrupted half-way never leaves a directory that looks valid.
 """
 
@@ -23,7 +24,8 @@ from . import paths
 from .manifest import note as manifest_note
 from .manifest import seal
 from .retention import Candidate, steps_to_prune
-from .state_format import StateFormat, TorchFile
+from .sharded import Previous, ShardedFormat
+from .state_format import StateFormat, read_any
 
 
 @dataclass
@@ -95,7 +97,7 @@ class CheckpointManager:
 
     def __init__(self, root: Path, state_format: StateFormat | None = None, faults: Faults = NO_FAULTS) -> None:
         self.root = Path(root)
-        self.state_format = state_format or TorchFile()
+        self.state_format = state_format or ShardedFormat(faults=faults)
         self.faults = faults
 
     # -- listing and validation -------------------------------------------------------------------
@@ -154,7 +156,15 @@ class CheckpointManager:
 
     # -- save, load, clean ------------------------------------------------------------------------
     def save(self, step: int, payload: dict[str, Any], meta: dict[str, Any]) -> CheckpointInfo:
-        """Write and commit the checkpoint of ``step``; returns it once the manifest is durable."""
+        """Write and commit the checkpoint of ``step`` at once; returns it once the manifest is durable."""
+        directory = self.begin(step)
+        written = self.state_format.begin(directory, payload, self.previous_files(step)).finish()
+        return self.commit(step, written.files, {**meta, "fingerprint": written.fingerprint,
+                                                  "fingerprint_version": written.fingerprint_version})
+
+    def begin(self, step: int) -> Path:
+        """The step dir of a new save, with any old manifest of that step removed first (re-saving a step after
+        falling back past a corrupt one), so nothing there counts until :meth:`commit`."""
         self.root.mkdir(parents=True, exist_ok=True)
         directory = self.root / fmt.step_dir_name(step)
         if os.path.lexists(directory) and not paths.is_real_dir(directory):
@@ -162,10 +172,27 @@ class CheckpointManager:
         directory.mkdir(exist_ok=True)
         manifest_path = directory / fmt.MANIFEST
         if manifest_path.exists():
-            # Re-saving a step (after falling back past a corrupt one): invalidate before rewriting.
             manifest_path.unlink()
             fmt.fsync_dir(directory)
-        files = self.state_format.write(directory, payload)
+        return directory
+
+    def previous_files(self, step: int) -> dict[str, Previous]:
+        """The files of the newest committed checkpoint before ``step`` (manifest checked, payload not read), which
+        identical new shards are hard-linked to."""
+        for older, path in reversed(self.step_dirs()):
+            if older >= step:
+                continue
+            try:
+                manifest = fmt.read_manifest(path)
+            except fmt.InvalidCheckpoint:
+                continue
+            return {name: Previous(path / name, entry["size"], entry["sha256"])
+                    for name, entry in manifest["files"].items()}
+        return {}
+
+    def commit(self, step: int, files: dict[str, dict[str, Any]], meta: dict[str, Any]) -> CheckpointInfo:
+        """Write the manifest of a step dir whose files are on disk: from now on it is a checkpoint."""
+        directory = self.root / fmt.step_dir_name(step)
         self.faults.before_commit()
         manifest = seal({
             **meta,
@@ -179,12 +206,13 @@ class CheckpointManager:
             "python_version": platform.python_version(),
             **({"metrics": _plain_metrics(meta["metrics"])} if isinstance(meta.get("metrics"), dict) else {}),
         })  # sealed last: manifest_sha256 covers every field above
-        fmt.write_json_atomic(manifest_path, manifest)
+        fmt.write_json_atomic(directory / fmt.MANIFEST, manifest)
         fmt.fsync_dir(self.root)
         return CheckpointInfo(step, directory, manifest)
 
     def load(self, info: CheckpointInfo) -> dict[str, Any]:
-        return self.state_format.read(info.path, info.manifest or {})
+        """The payload of ``info``, whatever its format (state.pt, or shards and meta.pt)."""
+        return read_any(info.path, info.manifest or {}, self.state_format.load_timeout_s)
 
     def cleanup_incomplete(self) -> list[Path]:
         """Remove temp files and step directories a killed save left without a manifest, and ``step-N`` entries

@@ -154,6 +154,10 @@ def parse(data: bytes, step: int | None = None) -> Manifest:
             raise fmt.InvalidCheckpoint(f"manifest.json field {name!r} is {_show(body[name])}: {problem}")
     if step is not None and body["step"] != step:
         raise fmt.InvalidCheckpoint(f"manifest says step {body['step']}, but its folder is step {step}")
+    for name, entry in body["files"].items():
+        if "folder" in entry and fmt.parse_step_dir(entry["folder"]) >= body["step"]:
+            raise fmt.InvalidCheckpoint(f"manifest.json places {name!r} in {entry['folder']}, which is not an older "
+                                        f"checkpoint's folder (a reused file always comes from an older one)")
     return Manifest(
         body=body, format_version=version, step=body["step"],
         files={name: FileEntry(entry["size"], entry["sha256"]) for name, entry in body["files"].items()},
@@ -260,7 +264,32 @@ def _files(value: Any) -> str | None:
             return f"the size of {name!r} must be an integer >= 0"
         if _hex64(entry.get("sha256")) is not None:
             return f"the sha256 of {name!r} must be 64 lowercase hex digits"
+        if "folder" in entry and not _placement_ok(entry["folder"]):
+            return f"the folder of {name!r} must be the name of a step-N checkpoint folder"
     return None
+
+
+def _placement_ok(folder: Any) -> bool:
+    """A remote manifest may place a file in an older checkpoint's folder (storage/tiered.py reuses a shard
+    already durable there instead of uploading it again); that folder must be a plain ``step-N`` name."""
+    return isinstance(folder, str) and fmt.parse_step_dir(folder) is not None and paths.name_problem(folder) is None
+
+
+def _frozen(value: Any) -> str | None:
+    """The tensors not stored (engine/frozen.py): name -> {sha256, shape, dtype}."""
+    if not isinstance(value, dict):
+        return "must be an object of tensor name -> {sha256, shape, dtype}"
+    for name, entry in value.items():
+        if not (isinstance(entry, dict) and _hex64(entry.get("sha256")) is None and isinstance(entry.get("dtype"), str)
+                and isinstance(entry.get("shape"), list)
+                and all(_integer(0)(d) is None for d in entry["shape"])):
+            return f"the entry of {_show(name)} must be {{sha256, shape, dtype}}"
+    return None
+
+
+def _names(value: Any) -> str | None:
+    ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    return None if ok else "must be a list of parameter names"
 
 
 # name -> (check, required). Fields not listed (and future ones) are allowed; the self-checksum covers them.
@@ -272,6 +301,9 @@ _FIELDS: dict[str, tuple[Check, bool]] = {
     "batch_in_epoch": (_integer(0), False),
     "num_threads": (_integer(1, 4096), False),
     "fingerprint": (_hex64, False),
+    "fingerprint_version": (_integer(1, 2), False),
+    "frozen": (_frozen, False),
+    "trainable": (_names, False),
     "metrics": (_metrics, False),
     "config": (_mapping, False),
     "computation": (_mapping, False),

@@ -2,9 +2,10 @@
 
 The manager owns the commit protocol (step directory, manifest written last, retention); a
 :class:`StateFormat` only writes the payload files of one state into a directory and reads them back.
-Format 1 is :class:`TorchFile`: one ``state.pt`` (``torch.save`` of plain containers and tensors, loaded
-with ``weights_only=True`` and memory-mapped, so N ranks reading one checkpoint share its pages). A sharded
-safetensors format, or a ``torch.distributed.checkpoint`` writer, plugs in here.
+:class:`TorchFile` is the layout of formats 1 and 2: one ``state.pt`` (``torch.save`` of plain containers and
+tensors, loaded with ``weights_only=True`` and memory-mapped, so N ranks reading one checkpoint share its pages).
+Format 3 writes :class:`~resumable.checkpoint.sharded.ShardedFormat` (safetensors shards and a small
+``meta.pt``); :func:`read_any` reads either, by the files a manifest lists.
 
 A payload whose sha256 matches its manifest can still be hostile: pickle's memo lets 1 KB describe a list
 of lists that references one list twice at every level, 2^60 leaves when walked, and everything after the
@@ -41,6 +42,12 @@ _CONTAINERS = (dict, list, tuple, set, frozenset)
 
 class StateFormat(Protocol):
     name: str
+    load_timeout_s: float
+
+    def begin(self, directory: Path, state: dict[str, Any], previous: Any = None, staging: Any = None) -> Any:
+        """The training thread's part of a save; the result's ``finish()`` (on the writer's thread) returns a
+        :class:`~resumable.checkpoint.sharded.Written`."""
+        ...
 
     def write(self, directory: Path, state: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """Write ``state`` into ``directory``; returns ``{file name: {"size", "sha256"}}`` of every file."""
@@ -147,6 +154,20 @@ def _add(total: int, more: int, name: str, max_nodes: int) -> int:
     return total
 
 
+class TorchPending:
+    """A TorchFile save between its training-thread part (the host snapshot) and its background part."""
+
+    def __init__(self, directory: Path, state: dict[str, Any]) -> None:
+        self.directory, self.state = directory, state
+
+    def finish(self) -> Any:
+        from .sharded import Written  # the result type both formats return
+
+        entry = fmt.write_payload(self.directory, self.state)
+        return Written({fmt.PAYLOAD: entry}, fmt.fingerprint(self.state.get("model"), self.state.get("optimizer")), 1,
+                       written=entry["size"])
+
+
 class TorchFile:
     """Format 1: the whole state in one ``state.pt``.
 
@@ -162,6 +183,17 @@ class TorchFile:
     def write(self, directory: Path, state: dict[str, Any]) -> dict[str, dict[str, Any]]:
         return {fmt.PAYLOAD: fmt.write_payload(directory, state)}
 
+    def begin(self, directory: Path, state: dict[str, Any], previous: Any = None, staging: Any = None) -> TorchPending:
+        """A save in two parts, like ShardedFormat.begin: with ``staging`` (an asynchronous save) the state is
+        copied into host buffers first (the whole state: this format has no staging budget)."""
+        if staging is not None:
+            from .snapshot import Snapshotter
+
+            if not hasattr(self, "_snapshotter"):
+                self._snapshotter = Snapshotter()
+            state = self._snapshotter.take(state)
+        return TorchPending(Path(directory), state)
+
     def read(self, directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         deadline = Deadline(self.load_timeout_s, directory)
         payload = fmt.load_payload(directory / fmt.PAYLOAD)
@@ -170,3 +202,12 @@ class TorchFile:
             raise fmt.InvalidCheckpoint(f"{directory} holds a {type(payload).__name__}, not a checkpoint")
         check_structure(payload, fmt.PAYLOAD, deadline)
         return payload
+
+
+def read_any(directory: Path, manifest: dict[str, Any], load_timeout_s: float | None = None) -> dict[str, Any]:
+    """The state of a checkpoint of any format: sharded when its manifest lists ``meta.pt``, else ``state.pt``."""
+    from .sharded import META, ShardedFormat
+
+    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    reader = ShardedFormat(load_timeout_s=load_timeout_s) if META in files else TorchFile(load_timeout_s)
+    return reader.read(directory, manifest)

@@ -22,7 +22,8 @@ class SaveStats:
     saves: int = 0
     blocked_s: float = 0.0  # training-thread time spent in save()
     background_s: float = 0.0  # time spent serialising, hashing, writing and committing
-    bytes: int = 0
+    bytes: int = 0  # written to disk
+    linked: int = 0  # unchanged shards hard-linked to the previous checkpoint instead of written
     last_blocked_s: float = 0.0
     last_total_s: float = 0.0  # blocked + persist time of the newest save
 
@@ -30,7 +31,8 @@ class SaveStats:
         per_save = self.blocked_s / self.saves * 1000 if self.saves else 0.0
         return (f"{self.saves} checkpoint(s), training blocked {self.blocked_s:.3f}s in total "
                 f"({per_save:.1f} ms per save), background saving {self.background_s:.2f}s, "
-                f"{self.bytes / 1e6:.1f} MB written")
+                f"{self.bytes / 1e6:.1f} MB written"
+                + (f", {self.linked / 1e6:.1f} MB of unchanged shards linked" if self.linked else ""))
 
 
 class CheckpointWriter:

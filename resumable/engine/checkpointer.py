@@ -16,14 +16,16 @@ from typing import Any
 import torch
 
 from .. import log
-from ..checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, fingerprint
+from ..checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, digests, fingerprint
 from ..checkpoint import format as fmt
-from ..checkpoint.snapshot import Snapshotter
+from ..checkpoint.memory import PeakMemory
+from ..checkpoint.staging import Staging, default_budget
 from ..checkpoint.writer import CheckpointWriter
 from ..errors import ConfigMismatch, NothingToResume, ResumableError, StateNotLoadable
 from ..faults import NO_FAULTS, Faults
 from . import determinism
 from .distributed import Distributed
+from .frozen import FrozenTensors
 from .state import Stateful, TrainState, capture_rng, restore_rng
 
 # Payload keys that are not user objects.
@@ -81,7 +83,8 @@ class Checkpointer:
                  writer: CheckpointWriter | None = None,
                  before_commit: Callable[[], None] | None = None,
                  after_commit: Callable[[int], None] | None = None, dist: Distributed | None = None,
-                 faults: Faults = NO_FAULTS, modules: torch.nn.Module | None = None) -> None:
+                 faults: Faults = NO_FAULTS, modules: torch.nn.Module | None = None, store_frozen: bool = False,
+                 staging_memory: int | None = None) -> None:
         if "model" not in objects or "optimizer" not in objects:
             raise ValueError("a checkpointer needs at least 'model' and 'optimizer' objects")
         self.manager = manager
@@ -96,11 +99,17 @@ class Checkpointer:
         self.dist = dist or Distributed()
         self.faults = faults
         self.modules = modules if modules is not None else objects.get("model")
-        self._snapshotter = Snapshotter()
+        self.frozen = FrozenTensors(objects.get("model"), [o for o in objects.values() if hasattr(o, "param_groups")],
+                                    store_all=store_frozen)
+        self.staging_memory = staging_memory  # None: chosen from the free host memory at the first save
+        self._staging: Staging | None = None
+        self._frozen_record: dict[str, Any] = {}
+        self._told_direct = False
         self._last_size = 0
         self._checked = False
         self.last_saved_step: int | None = None
         self.resumed_from: CheckpointInfo | None = None
+        self.restore_cost: PeakMemory | None = None  # time and host memory the restore took
 
     # -- saving ------------------------------------------------------------------------------------
     def _rank_state(self) -> dict[str, Any]:
@@ -113,6 +122,7 @@ class Checkpointer:
         """Everything an exact resume needs, as plain containers and tensors (this rank's view)."""
         payload: dict[str, Any] = {name: (obj.state_dict() if obj is not None else None)
                                    for name, obj in self.objects.items()}
+        payload["model"], self._frozen_record = self.frozen.split(payload["model"])
         payload[_TRAIN_STATE] = self.state.state_dict()
         payload[_RNG] = capture_rng()
         payload[_MODES] = self._modes()
@@ -136,8 +146,6 @@ class Checkpointer:
             for name, value in payload.items():
                 check_loadable(name, value)
             self._checked = True
-        if self.writer.asynchronous:
-            payload = self._snapshotter.take(payload)
         step = self.state.step
         meta = {
             **self.meta,
@@ -147,14 +155,25 @@ class Checkpointer:
             "metrics": metrics or {},
             "num_threads": torch.get_num_threads(),
             "determinism": determinism.settings(),
+            **({"frozen": self._frozen_record} if self._frozen_record else {}),
+            **({"trainable": self.frozen.trainable()} if self.frozen.model is not None else {}),
         }
+        directory = self.manager.begin(step)
+        try:  # the training thread's part: every tensor staged, or written when it does not fit the staging memory
+            pending = self.manager.state_format.begin(directory, payload, self.manager.previous_files(step),
+                                                      self._staging_for() if self.writer.asynchronous else None)
+        except BaseException:
+            self._discard_unfinished(step)
+            raise
+        self._tell_direct(pending, step, started)
 
         def persist() -> int:
-            meta["fingerprint"] = fingerprint(payload["model"], payload["optimizer"])
-            if self.before_commit is not None:
-                self.before_commit()
             try:
-                info = self.manager.save(step, payload, meta)
+                written = pending.finish()
+                meta["fingerprint"], meta["fingerprint_version"] = written.fingerprint, written.fingerprint_version
+                if self.before_commit is not None:
+                    self.before_commit()
+                info = self.manager.commit(step, written.files, meta)
             except BaseException:
                 self._discard_unfinished(step)  # a disk full for a while gets its space back for the next save
                 raise
@@ -163,14 +182,36 @@ class Checkpointer:
             except OSError as e:  # the new checkpoint is committed; a failed prune only leaves extra ones
                 log.warning(f"pruning old checkpoints failed ({e}); they stay on disk and the next save tries again")
             self._last_size = info.size
+            self.writer.stats.linked += written.linked
             if self.after_commit is not None:
                 self.after_commit(step)
-            return info.size
+            return written.written
 
         self.writer.submit(f"step {step}", persist, blocked_since=started)
         self.last_saved_step = step
         if wait:
             self.writer.wait()
+
+    def _staging_for(self) -> Staging:
+        """The staging memory of asynchronous saves (made once; its buffer is allocated by the first save)."""
+        if self._staging is None:
+            budget = self.staging_memory if self.staging_memory is not None else default_budget()
+            self._staging = Staging(budget)
+        return self._staging
+
+    def _tell_direct(self, pending: Any, step: int, started: float) -> None:
+        """Say once why save() blocked training for longer than a copy: the state did not fit the staging memory."""
+        direct = getattr(getattr(pending, "result", None), "direct", 0)
+        if not direct or not self.writer.asynchronous or self._told_direct:
+            return
+        self._told_direct = True
+        staged = pending.result.staged
+        capacity = self._staging.capacity if self._staging is not None else 0
+        log.info(f"checkpoint of step {step}: training waited {time.perf_counter() - started:.2f}s while "
+                 f"{direct / 1e6:.0f} MB were written directly, because the staging memory "
+                 f"({capacity / 1e6:.0f} MB, --staging-memory) holds less than the state "
+                 f"({(staged + direct) / 1e6:.0f} MB); {staged / 1e6:.0f} MB were staged and are written in the "
+                 f"background. Raise --staging-memory to stage all of it")
 
     def _discard_unfinished(self, step: int) -> None:
         """After a failed save: remove its temp files and its step dir, if it has no manifest (best effort; the
@@ -237,21 +278,37 @@ class Checkpointer:
     def restore(self, info: CheckpointInfo) -> None:
         """Load ``info`` into every object. Raises InvalidCheckpoint before touching anything if the
         payload is unreadable, incomplete or does not match its manifest's fingerprint."""
+        with PeakMemory() as memory:
+            self._restore(info)
+        self.restore_cost = memory
+
+    def _restore(self, info: CheckpointInfo) -> None:
+        frozen = info.manifest.get("frozen") or {}
+        self.frozen.check(frozen, info.step)  # the script's base weights, before anything is read or changed
+        self.frozen.check_trainable(info.manifest.get("trainable"), info.step)
         payload = self.manager.load(info)
         expected = set(self.objects) | {_TRAIN_STATE, _RNG}
         missing = sorted(expected - set(payload))
         if missing:
             raise InvalidCheckpoint(f"payload lacks {missing}")
-        self._check_fits(payload)  # before it is walked (fingerprint) or loaded into anything
-        if fingerprint(payload["model"], payload["optimizer"]) != info.fingerprint:
+        self._check_fits(payload, set(frozen))  # before it is walked (fingerprint) or loaded into anything
+        version = info.manifest.get("fingerprint_version", 1)
+        found = (digests.of_payload(payload) if version == digests.VERSION
+                 else fingerprint(payload["model"], payload["optimizer"]))
+        if found != info.fingerprint:
             raise InvalidCheckpoint("payload does not match the manifest's training-state fingerprint")
         rng, counters = self._my_rank_state(payload)
+        built = self.frozen.built(payload["model"] if isinstance(payload["model"], dict) else ())
         for name, obj in self.objects.items():
             if obj is None:
                 continue
             if payload[name] is None:
                 raise InvalidCheckpoint(f"checkpoint has no {name} state but this run uses one")
-            obj.load_state_dict(payload[name])
+            if name == "model" and frozen and isinstance(obj, torch.nn.Module):
+                obj.load_state_dict(payload[name], strict=False)  # _check_fits: exactly the frozen keys are absent
+            else:
+                obj.load_state_dict(payload[name])
+        self.frozen.loaded(built)  # what the script built and the checkpoint agrees with may be left out again
         self.state.load_state_dict(payload[_TRAIN_STATE])
         if counters is not None:
             self.state.load_rank_dict(counters)
@@ -262,20 +319,22 @@ class Checkpointer:
         self.resumed_from = info
         self._last_size = info.size  # the free-space check has an estimate from the first save on
 
-    def _check_fits(self, payload: dict[str, Any]) -> None:
-        """The saved model and optimizer state must have the live objects' structure: the model's keys, shapes
-        and dtypes, the optimizer's parameter groups and their sizes. Otherwise this checkpoint is invalid
-        (raised before anything is modified; an older one may fit)."""
+    def _check_fits(self, payload: dict[str, Any], frozen: set[str] | frozenset[str] = frozenset()) -> None:
+        """The saved model and optimizer state must have the live objects' structure: the model's keys (less the
+        ``frozen`` ones, not stored), shapes and dtypes, the optimizer's parameter groups and their sizes.
+        Otherwise this checkpoint is invalid (raised before anything is modified; an older one may fit)."""
         model, saved = self.objects["model"], payload["model"]
         if isinstance(model, torch.nn.Module):
             live = model.state_dict()
             if not isinstance(saved, dict):
                 raise InvalidCheckpoint(f"its model state is a {type(saved).__name__}: it does not fit this model")
-            missing, extra = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
+            missing, extra = sorted(set(live) - set(saved) - frozen), sorted(set(saved) - set(live))
             if missing or extra:
                 raise InvalidCheckpoint(f"its model state does not fit this model (missing {missing[:3]}, "
                                         f"unexpected {extra[:3]})")
             for key, tensor in live.items():
+                if key in frozen and key not in saved:
+                    continue
                 other = saved[key]
                 if not isinstance(other, torch.Tensor) or (other.shape, other.dtype) != (tensor.shape, tensor.dtype):
                     found = (f"{tuple(other.shape)} {other.dtype}" if isinstance(other, torch.Tensor)

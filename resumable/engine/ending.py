@@ -34,7 +34,9 @@ def close_mirror(mirror: Mirror, flush_timeout: str, interrupted: bool) -> None:
                   f"those checkpoints exist only in {mirror.local.root}")
     elif mirror.durable:
         log.info(f"mirrored to {mirror.remote.description}: newest durable checkpoint step {max(mirror.durable)}, "
-                 f"{mirror.bytes / 1e6:.1f} MB uploaded in {mirror.upload_s:.1f}s")
+                 f"{mirror.bytes / 1e6:.1f} MB uploaded in {mirror.upload_s:.1f}s"
+                 + (f" ({mirror.reused_bytes / 1e6:.1f} MB of unchanged shards already there, not sent again)"
+                    if mirror.reused_bytes else ""))
 
 
 def summarise(checkpointer: Checkpointer, state: TrainState, outcome: Outcome | None, lost: str | None,

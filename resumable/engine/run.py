@@ -31,6 +31,7 @@ import torch
 
 from .. import log
 from ..checkpoint import CheckpointManager, checkpoints_dir, describe_age
+from ..checkpoint.sharded import ShardedFormat
 from ..checkpoint.writer import CheckpointWriter, SaveStats
 from ..config import RunOptions, format_duration
 from ..errors import EXIT_RESUME, ResumableError
@@ -228,14 +229,17 @@ class Run:
             self._mirror = Mirror(rundir.manager, rundir.remote, rundir.local, log.info, run_id=choice.run_id)
         self._metrics = MetricsLog(rundir.local / METRICS if main else None)
         self._checkpointer = Checkpointer(
-            CheckpointManager(checkpoints_dir(rundir.local), faults=self.faults), self._objects, self.state,
+            CheckpointManager(checkpoints_dir(rundir.local), ShardedFormat(self.options.shard_size_bytes,
+                                                                           faults=self.faults), self.faults),
+            self._objects, self.state,
             meta={"config": self.settings, "computation": self.computation, "device": str(self.device),
                   "world_size": self.dist.world_size, "run_id": choice.run_id},
             keep=self.options.keep, keep_best=self.options.keep_best,
             writer=CheckpointWriter(asynchronous=not self.options.sync_checkpoints),
             before_commit=lambda: self._report.before_commit(),
             after_commit=self._mirror.submit if self._mirror is not None else None, dist=self.dist,
-            faults=self.faults, modules=self._objects["model"])
+            faults=self.faults, modules=self._objects["model"], store_frozen=self.options.store_frozen,
+            staging_memory=self.options.staging_memory_bytes)
         for setting in determinism.set_cheap_defaults():  # before the checkpoint's settings are compared
             log.info(f"set {setting} for deterministic cuBLAS (see README: bit-identical resumes)")
         error: Exception | None = None
@@ -258,8 +262,12 @@ class Run:
                 saved_world = info.manifest.get("world_size", 1)
                 if saved_world != self.dist.world_size:
                     remap_position(self.state, self.sampler, saved_world, self.accumulate, self.dist.world_size)
+                cost = self._checkpointer.restore_cost
+                known = cost is not None and cost.added is not None
+                memory = f", host memory peak +{cost.added / 1e6:.0f} MB" if known else ""
                 log.info(f"resuming from step {info.step} (epoch {self.state.epoch}, batch "
-                         f"{self.state.batch_in_epoch}), saved {describe_age(info.created)}")
+                         f"{self.state.batch_in_epoch}), saved {describe_age(info.created)}; loaded in "
+                         f"{cost.seconds if cost is not None else 0:.2f}s{memory}")
         failed = self.dist.all_errors(None if error is None else str(error) if isinstance(error, ResumableError)
                                       else f"{type(error).__name__}: {error}")
         if failed:

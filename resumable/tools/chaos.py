@@ -73,8 +73,16 @@ def _max_step(run_dir: Path) -> int:
 
 
 def _saving(run_dir: Path) -> bool:
-    return any(not (p / fmt.MANIFEST).exists() and (p / fmt.PAYLOAD).exists()
+    return any(not (p / fmt.MANIFEST).exists() and _has_entries(p)
                for _, p in CheckpointManager(checkpoints_dir(run_dir)).step_dirs())
+
+
+def _has_entries(directory: Path) -> bool:
+    """Whether a save has written anything into ``directory`` yet (a pruned one is gone: False)."""
+    try:
+        return any(True for _ in directory.iterdir())
+    except OSError:
+        return False
 
 
 def _latest(run_dir: Path) -> tuple[str | None, int]:

@@ -1,6 +1,7 @@
 """``resumable export``: write a run's model weights as a plain state_dict file.
 
-The output loads without resumable: ``model.load_state_dict(torch.load("model.pt", weights_only=True))``.
+The output loads without resumable: ``model.load_state_dict(torch.load("model.pt", weights_only=True))``. A run
+whose frozen tensors were not stored (a LoRA base) exports the trained tensors only, and says so.
 
 ``--out`` is checked before anything is read or written: a path inside the run's ``checkpoints/`` (it would
 overwrite a checkpoint; symlinks are resolved for this check) and an existing path that is not a regular file
@@ -121,6 +122,11 @@ def export_model(run_dir: Path, out: Path, best: bool = False) -> tuple[Checkpoi
         _save_atomic(state, out)
     except OSError as e:
         raise ExportError(f"cannot write {out}: {e}") from e
+    frozen = (info.manifest or {}).get("frozen") or {}
+    if frozen:  # a LoRA run: the base was never stored, only fingerprinted (engine/frozen.py)
+        log.warning(f"{len(frozen)} frozen tensor(s) of the model are not in its checkpoints (the run's script "
+                    f"loads them, e.g. the base weights): {out} holds the {len(state)} trained ones. Build the "
+                    f"base, then model.load_state_dict(torch.load({str(out)!r}), strict=False)")
     return info, out
 
 
