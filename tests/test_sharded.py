@@ -223,3 +223,14 @@ def test_sizes_parse_like_people_write_them() -> None:
     for bad in ("", "MB", "1.2.3MB", "12 parsecs", "-1MB", "nanMB", "1e400"):
         with pytest.raises(ValueError):
             parse_size(bad)
+
+
+def test_bad_sizes_on_the_command_line_are_usage_errors(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from resumable.cli import train_command
+
+    for option in ("--staging-memory", "--shard-size"):
+        result = CliRunner().invoke(train_command, ["--run-dir", str(tmp_path / "run"), option, "12parsecs"])
+        assert result.exit_code == 2 and "is not like 256MB" in result.output, result.output
+    assert not (tmp_path / "run" / "checkpoints").exists()

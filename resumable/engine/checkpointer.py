@@ -72,10 +72,12 @@ class Checkpointer:
     """Saves and restores ``objects`` (name → Stateful), the TrainState, module modes and every RNG stream.
 
     ``meta`` is recorded in each manifest (config, dataset identity, computation fields, run id). With an
-    asynchronous ``writer``, ``save`` copies the state into host memory and returns; serialising, hashing,
-    fsync, commit and pruning happen on the writer's thread. ``before_commit`` runs on the writer's thread just
-    before the checkpoint is written (e.g. to make logs durable up to this step), ``after_commit(step)`` after
-    it is committed and pruned (e.g. to mirror it to Drive).
+    asynchronous ``writer``, ``save`` copies the state into the staging memory (``staging_memory`` bytes; the
+    part that does not fit is written before it returns) and returns; writing, hashing, fsync, commit and pruning
+    happen on the writer's thread. Frozen tensors of the model are left out unless ``store_frozen``
+    (engine/frozen.py). ``before_commit`` runs on the writer's thread just before the checkpoint is committed
+    (e.g. to make logs durable up to this step), ``after_commit(step)`` after it is committed and pruned (e.g. to
+    mirror it to Drive).
     """
 
     def __init__(self, manager: CheckpointManager, objects: Mapping[str, Stateful | None],
