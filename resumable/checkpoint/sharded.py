@@ -40,7 +40,6 @@ DEFAULT_SHARD_SIZE = 256 << 20
 # With a staging budget, shards are at most a quarter of it (and at least this), so that a budget smaller than the
 # state still stages most of it: a shard is staged whole or written whole. The layout stays the same for a session.
 MIN_SHARD = 1 << 20
-_NO_STRIDE = None
 
 
 def shard_name(index: int) -> str:
