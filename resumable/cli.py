@@ -199,6 +199,21 @@ def train_command(ctx: click.Context, mode: str | None, overwrite: bool, **optio
     _exit(code)
 
 
+def checkpoint_status(entry: dict[str, Any]) -> str:
+    """The status column of ``resumable inspect`` for one local or remote checkpoint entry."""
+    from .storage.placement import HOLDER
+
+    if entry["valid"]:
+        status = "durable on Drive" if entry.get("durable") else "valid"
+    elif entry.get("committed") is False:
+        status = "unfinished save (no manifest; ignored, removed at the next start)"
+    elif entry["reason"] == HOLDER:  # a pruned remote checkpoint whose shards newer ones use: no damage
+        status = f"pruned: {entry['reason']}"
+    else:
+        status = f"INVALID: {entry['reason']}"
+    return status + (f" ({entry['note']})" if entry.get("note") else "")
+
+
 def _echo_err(message: str) -> None:
     """A last message on stderr; its reader may be gone (a closed pipe, `| head`), which must not change the
     exit code."""
@@ -284,10 +299,7 @@ def inspect(run_dir: str, as_json: bool, drive_credentials: str | None) -> None:
     for entry in entries:
         created = _clock(entry["created"])
         size = f"{entry['size'] / 1e6:8.2f}MB" if entry.get("size") is not None else "-"
-        status = ("durable on Drive" if entry.get("durable") else "valid") if entry["valid"] \
-            else "unfinished save (no manifest; ignored, removed at the next start)" \
-            if entry.get("committed") is False else f"INVALID: {entry['reason']}"
-        status += f" ({entry['note']})" if entry.get("note") else ""
+        status = checkpoint_status(entry)
         marker = "  <- latest valid" if entry is latest else ""
         epoch = entry["epoch"] if entry["epoch"] is not None else "-"
         click.echo(f"{entry['step']:>10} {epoch:>6} {created:>20} {size:>10}  {status}{marker}")

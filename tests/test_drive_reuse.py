@@ -298,3 +298,12 @@ def test_delete_file_is_permanent_and_quiet_when_missing(tmp_path: Path, remote:
             titles = [f.title for f in remote.fake.files.values()]
             assert not any(f.trashed for f in remote.fake.files.values())
         assert titles.count("a") == 0 and titles.count("b") == 1
+
+
+def test_inspect_shows_a_holder_as_pruned_not_invalid() -> None:
+    from resumable.cli import checkpoint_status
+
+    holder = {"valid": False, "durable": False, "reason": HOLDER}
+    assert checkpoint_status(holder) == f"pruned: {HOLDER}"
+    assert checkpoint_status({"valid": False, "reason": "incomplete upload (x is missing)"}).startswith("INVALID")
+    assert checkpoint_status({"valid": True, "durable": True, "reason": None}) == "durable on Drive"
