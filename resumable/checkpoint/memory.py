@@ -19,16 +19,21 @@ def rss() -> int | None:
         return None
 
 
-def peak() -> int | None:
-    """The highest resident bytes since the last :func:`reset_peak` (or since the process started)."""
+def proc_field(path: str, key: str) -> int | None:
+    """The ``key:`` line of a /proc file such as /proc/meminfo, in bytes (its values are in kB)."""
     try:
-        with open("/proc/self/status", encoding="ascii") as handle:
+        with open(path, encoding="ascii") as handle:
             for line in handle:
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{key}:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def peak() -> int | None:
+    """The highest resident bytes since the last :func:`reset_peak` (or since the process started)."""
+    return proc_field("/proc/self/status", "VmHWM")
 
 
 def reset_peak() -> bool:

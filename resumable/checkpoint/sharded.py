@@ -92,12 +92,8 @@ class Pending:
     def finish(self) -> Written:
         """Write the staged shards and ``meta.pt``; returns the files for the manifest."""
         try:
-            while self.queued:
-                shard = self.queued[0]
+            for shard in self.queued:
                 self.format.emit(self, shard)
-                self.queued.pop(0)
-                if shard.offset is not None and self.staging is not None:
-                    self.staging.release(shard.offset)
             self.result.files[META] = fmt.write_payload(self.directory, self.meta, META)
             self.result.written += self.result.files[META]["size"]
         finally:

@@ -1,18 +1,18 @@
 """Host memory of a bounded size that a checkpoint's shards are copied into, so training goes on while they are
 written (``--staging-memory``).
 
-The writer writes shards in the order they were staged and gives each region back when its shard is on disk, so
-regions form a ring: handed out at the end, returned at the start. The buffer is allocated once, at the first
-save, no larger than the state needs, and reused (later saves cost one memcpy and no page faults); it is pinned
-when CUDA tensors are copied into it, so those copies are asynchronous.
+One save at a time uses it (the writer waits for the previous save before the next begins): the training thread
+hands out regions one after the other while it stages shards, and the whole buffer is free again once that save
+has written them. The buffer is allocated once, at the first save, no larger than the state needs, and reused
+(later saves cost one memcpy and no page faults); it is pinned when CUDA tensors are copied into it, so those
+copies are asynchronous.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import deque
-
 import torch
+
+from .memory import proc_field
 
 ALIGN = 64  # every region and every tensor in one starts 64-byte aligned (any dtype view is legal)
 
@@ -21,34 +21,21 @@ def aligned(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
 
 
-def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for text in handle:
-                if text.startswith("MemAvailable:"):
-                    return int(text.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def default_budget() -> int:
     """Half of the host memory available now (1 GiB where that cannot be read)."""
-    free = available_memory()
+    free = proc_field("/proc/meminfo", "MemAvailable")
     return free // 2 if free is not None else 1 << 30
 
 
 class Staging:
-    """Up to ``capacity`` bytes of host buffer, handed out as FIFO regions."""
+    """Up to ``capacity`` bytes of host buffer, handed out as consecutive regions during one save."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 0:
             raise ValueError(f"staging capacity {capacity} must be >= 0")
         self.capacity = capacity
         self._buffer: torch.Tensor | None = None
-        self._regions: deque[tuple[int, int]] = deque()  # (offset, size), oldest first
-        self._lock = threading.Lock()
+        self.in_use = 0  # bytes handed out to the save in progress
 
     @property
     def allocated(self) -> int:
@@ -57,7 +44,7 @@ class Staging:
     def prepare(self, wanted: int, pinned: bool) -> None:
         """Before a save (nothing staged): make the buffer ``min(capacity, wanted)`` bytes, allocating only when
         that grows it or pinning is newly needed."""
-        assert not self._regions, "the previous save still holds staged shards"
+        assert not self.in_use, "the previous save still holds staged shards"
         size = min(self.capacity, aligned(wanted))
         if size <= 0:
             return
@@ -68,42 +55,17 @@ class Staging:
             self._buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
 
     def reserve(self, size: int) -> int | None:
-        """The offset of a free region of ``size`` bytes, or None when there is no room now."""
+        """The offset of a free region of ``size`` bytes, or None when there is no room."""
         size = aligned(size)
-        with self._lock:
-            total = self.allocated
-            if size > total or size == 0:
-                return None
-            if not self._regions:
-                offset: int | None = 0
-            else:
-                first = self._regions[0][0]
-                newest, newest_size = self._regions[-1]
-                end = newest + newest_size
-                if newest >= first:  # not wrapped: free after the newest region, and before the oldest one
-                    offset = end if end + size <= total else (0 if size <= first else None)
-                else:  # wrapped: free between the newest region's end and the oldest one's start
-                    offset = end if end + size <= first else None
-            if offset is None:
-                return None
-            self._regions.append((offset, size))
-            return offset
+        if size == 0 or self.in_use + size > self.allocated:
+            return None
+        offset, self.in_use = self.in_use, self.in_use + size
+        return offset
 
     def view(self, offset: int, size: int) -> torch.Tensor:
         assert self._buffer is not None
         return self._buffer[offset:offset + size]
 
-    def release(self, offset: int) -> None:
-        """Give back the oldest region (the writer finishes shards in the order they were staged)."""
-        with self._lock:
-            first = self._regions.popleft()
-            assert first[0] == offset, "staged regions are released in the order they were reserved"
-
     def release_all(self) -> None:
-        with self._lock:
-            self._regions.clear()
-
-    @property
-    def in_use(self) -> int:
-        with self._lock:
-            return sum(size for _, size in self._regions)
+        """The save's shards are on disk (or it failed): the whole buffer is free for the next one."""
+        self.in_use = 0

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from . import format as fmt
+from .snapshot import Snapshotter
 
 LOAD_TIMEOUT_ENV = "RESUMABLE_LOAD_TIMEOUT_S"
 DEFAULT_LOAD_TIMEOUT_S = 600.0
@@ -179,6 +180,7 @@ class TorchFile:
         if load_timeout_s is not None and not (load_timeout_s > 0 and math.isfinite(load_timeout_s)):
             raise ValueError(f"load_timeout_s={load_timeout_s!r} must be a number of seconds > 0")
         self.load_timeout_s = load_timeout_from_env() if load_timeout_s is None else float(load_timeout_s)
+        self._snapshotter = Snapshotter()  # the host buffers of asynchronous saves, reused from save to save
 
     def write(self, directory: Path, state: dict[str, Any]) -> dict[str, dict[str, Any]]:
         return {fmt.PAYLOAD: fmt.write_payload(directory, state)}
@@ -187,10 +189,6 @@ class TorchFile:
         """A save in two parts, like ShardedFormat.begin: with ``staging`` (an asynchronous save) the state is
         copied into host buffers first (the whole state: this format has no staging budget)."""
         if staging is not None:
-            from .snapshot import Snapshotter
-
-            if not hasattr(self, "_snapshotter"):
-                self._snapshotter = Snapshotter()
             state = self._snapshotter.take(state)
         return TorchPending(Path(directory), state)
 

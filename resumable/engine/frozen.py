@@ -153,6 +153,7 @@ class FrozenTensors:
         if not saved:
             return
         live = dict(self.model.state_dict(keep_vars=True)) if self.model is not None else {}
+        buffers = set(self._named_buffers()) if self.model is not None else set()
         for name in sorted(saved):
             expected = saved[name]
             tensor = live.get(name)
@@ -164,8 +165,7 @@ class FrozenTensors:
                 raise FrozenMismatch(f"the frozen tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype} here but "
                                      f"{tuple(expected['shape'])} {expected['dtype']} in the checkpoint of step "
                                      f"{step}: load the same base model as the run did; nothing was changed")
-            buffer = self.model is not None and name in self._named_buffers()
-            if self._record(name, tensor.detach(), fresh=buffer)["sha256"] != expected["sha256"]:
+            if self._record(name, tensor.detach(), fresh=name in buffers)["sha256"] != expected["sha256"]:
                 raise FrozenMismatch(f"the frozen tensor {name!r} differs from the one the checkpoint of step {step} "
                                      f"was trained with (sha256 {expected['sha256'][:12]}...): your script loaded "
                                      f"other base weights. Load the same ones (or start over with --fresh "
