@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from dataclasses import asdict, dataclass, fields
 
@@ -20,11 +21,16 @@ class Faults:
     """``save_delay_s``: sleep between a checkpoint's payload and its manifest (widens the window a kill can
     land in). ``shard_delay_s``: sleep after each shard of a sharded checkpoint is on disk (a kill lands inside a
 multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a deliberately broken engine, which
-    chaos must report as DIVERGED)."""
+    chaos must report as DIVERGED; it skips the check that the RNG streams were restored, too). ``kill_at_step``:
+    SIGKILL this process right after that optimizer step, before anything is saved at its boundary (a kill at an
+    exact step: e.g. the first step after a resume). ``kill_in_save_at_step``: SIGKILL it inside the save of that
+    step, after the payload is written and before the manifest commits it."""
 
     save_delay_s: float = 0.0
     skip_rng_restore: bool = False
     shard_delay_s: float = 0.0
+    kill_at_step: int | None = None
+    kill_in_save_at_step: int | None = None
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -43,13 +49,24 @@ multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a
         """The environment that hands these faults to a child process."""
         return {FAULTS_ENV: json.dumps(asdict(self))}
 
-    def before_commit(self) -> None:
+    def before_commit(self, step: int | None = None) -> None:
         if self.save_delay_s > 0:
             time.sleep(self.save_delay_s)
+        if step is not None and step == self.kill_in_save_at_step:
+            _die()
+
+    def after_step(self, step: int) -> None:
+        if step == self.kill_at_step:
+            _die()
 
     def between_shards(self) -> None:
         if self.shard_delay_s > 0:
             time.sleep(self.shard_delay_s)
+
+
+def _die() -> None:
+    """SIGKILL this process at once, as a VM that goes away does (no handler, no cleanup)."""
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 NO_FAULTS = Faults()

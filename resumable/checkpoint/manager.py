@@ -193,7 +193,7 @@ class CheckpointManager:
     def commit(self, step: int, files: dict[str, dict[str, Any]], meta: dict[str, Any]) -> CheckpointInfo:
         """Write the manifest of a step dir whose files are on disk: from now on it is a checkpoint."""
         directory = self.root / fmt.step_dir_name(step)
-        self.faults.before_commit()
+        self.faults.before_commit(step)
         manifest = seal({
             **meta,
             "format": fmt.FORMAT_NAME,

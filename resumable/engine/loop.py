@@ -8,6 +8,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,7 +52,9 @@ class _Estimate:
 class Loop:
     """Walks training from ``session.state`` to the end of the plan, checkpointing on the way.
 
-    :meth:`run` is a generator of ``(epoch, batch_index, indices)``: the caller trains that (micro-)batch,
+    :meth:`run` is a generator of ``(epoch, batch_index, item, last)`` from ``sampler.walk`` (``item``: the
+    batch's dataset indices, or the batch itself for a stream; ``last``: the epoch's last batch): the caller
+    trains that (micro-)batch,
     optionally passes its loss to :meth:`report_loss`, then asks for the next. Bookkeeping, logging,
     triggers and saves happen between batches, at optimizer-step boundaries only: with
     ``plan.accumulate = K`` a step is K micro-batches (or the rest of the epoch), so a checkpoint never holds
@@ -92,13 +95,19 @@ class Loop:
 
     # -- plan --------------------------------------------------------------------------------------
     @property
-    def steps_per_epoch(self) -> int:
-        return math.ceil(self.sampler.batches_per_epoch / self.plan.accumulate)
+    def steps_per_epoch(self) -> int | None:
+        """Optimizer steps an epoch (None: a stream whose length is not known yet)."""
+        batches = self.sampler.batches_per_epoch
+        return None if batches is None else math.ceil(batches / self.plan.accumulate)
 
     @property
-    def total_steps(self) -> int:
-        planned = self.plan.epochs * self.steps_per_epoch
-        return planned if self.plan.max_steps is None else min(planned, self.plan.max_steps)
+    def total_steps(self) -> int | None:
+        """Steps of the whole run (None: not known, for a stream without max_steps before its first epoch ends)."""
+        per_epoch = self.steps_per_epoch
+        planned = None if per_epoch is None else self.plan.epochs * per_epoch
+        if self.plan.max_steps is None:
+            return planned
+        return self.plan.max_steps if planned is None else min(planned, self.plan.max_steps)
 
     def finished(self) -> bool:
         return self.state.epoch >= self.plan.epochs or (
@@ -106,7 +115,7 @@ class Loop:
 
     def eta_s(self) -> float | None:
         """Seconds to the end of the whole run (all sessions), from this session's step and eval times."""
-        if self.step_time.value == 0.0:
+        if self.step_time.value == 0.0 or self.total_steps is None:
             return None
         left = max(self.total_steps - self.state.step, 0)
         epochs_left = max(self.plan.epochs - self.state.epoch, 0)
@@ -120,7 +129,8 @@ class Loop:
             return "lock lost"
         if self.stop is not None and self.stop.requested:
             return self.stop.requested
-        last_of_epoch = self.state.batch_in_epoch + self.plan.accumulate >= self.sampler.batches_per_epoch
+        batches = self.sampler.batches_per_epoch  # unknown for a stream: count the evaluation in
+        last_of_epoch = batches is None or self.state.batch_in_epoch + self.plan.accumulate >= batches
         step_s = self.step_time.value + (self.eval_time.value if last_of_epoch else 0.0)
         if not self.budget.fits(step_s, self.session.writer.stats.last_total_s):
             return "time limit"
@@ -175,19 +185,19 @@ class Loop:
         self._loss = loss
 
     # -- loop --------------------------------------------------------------------------------------
-    def run(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+    def run(self) -> Iterator[tuple[int, int, Any, bool]]:
         self._clock = time.monotonic()
         outcome = Outcome(True, "finished")
         reason = self._boundary(None)[0] if not self.finished() else None
         if reason is not None:
             outcome = Outcome(False, reason)
         while outcome.finished and not self.finished():
-            if self.state.batch_in_epoch < self.sampler.batches_per_epoch:
+            if not self.sampler.epoch_done(self.state.epoch, self.state.batch_in_epoch):
                 reason = yield from self._train_epoch()
                 if reason is not None:
                     outcome = Outcome(False, reason)
                     break
-            if self.state.batch_in_epoch >= self.sampler.batches_per_epoch:
+            if self.sampler.epoch_done(self.state.epoch, self.state.batch_in_epoch):
                 self._finish_epoch()
                 reason = self._boundary(None)[0] if not self.finished() else None
                 if reason is not None:
@@ -244,11 +254,10 @@ class Loop:
                 "instead)")
         log.warning(f"{error}; the newest valid checkpoint is still {newest}.{then}")
 
-    def _train_epoch(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+    def _train_epoch(self) -> Iterator[tuple[int, int, Any, bool]]:
         """Yield the epoch's batches to the end (or max_steps); returns a stop reason if stopped early."""
         state, plan, sampler = self.state, self.plan, self.sampler
-        batches, accumulate = sampler.batches_per_epoch, plan.accumulate
-        order = sampler.epoch_order(state.epoch).to(self.device)
+        accumulate = plan.accumulate
         # Summed on the device in float64 and synced only when needed; starting from the saved exact
         # value makes the epoch loss of a resumed run equal to an uninterrupted one.
         loss_sum = torch.tensor(state.epoch_loss_sum, dtype=torch.float64, device=self.device)
@@ -257,24 +266,24 @@ class Loop:
         started = time.monotonic()
         window: list[torch.Tensor] = []
         first = state.batch_in_epoch  # saves happen at step boundaries only, so this starts a window
-        for index in range(first, batches):
+        for index, item, size, last in sampler.walk(state.epoch, first, self.device):
             if index % accumulate == 0 or index == first:  # a step (accumulation window) begins
                 started = time.monotonic()
                 step_samples = 0
-            indices = sampler.batch(order, index)
             self._loss = None
-            yield state.epoch, index, indices
+            yield state.epoch, index, item, last
             if self._loss is not None:
                 loss = self._loss.detach()
                 loss_sum += loss.double()
                 window.append(loss)
                 state.epoch_loss_count += 1
             state.batch_in_epoch = index + 1
-            state.samples_seen += len(indices)
-            step_samples += len(indices)
-            if (index + 1) % accumulate and index + 1 < batches:
+            state.samples_seen += size
+            step_samples += size
+            if (index + 1) % accumulate and not last:
                 continue  # mid-window: no step boundary, so no log, trigger or save here
             state.step += 1
+            self.session.faults.after_step(state.step)
             rate_samples += step_samples
             record, postfix = None, None
             if state.step % plan.log_every == 0:
@@ -291,7 +300,7 @@ class Loop:
             self.step_time.add(time.monotonic() - started)
             if plan.max_steps is not None and state.step >= plan.max_steps:
                 break
-            if index + 1 == batches:
+            if last:
                 break  # the end-of-epoch evaluation, save and stop check come right after
             reason, trigger = self._boundary(self.triggers.due(state.step), deferred=True)
             if trigger is not None or reason is not None:
@@ -320,8 +329,9 @@ class Loop:
         if acc is not None and (state.best_test_acc is None or acc > state.best_test_acc):
             state.best_test_acc, state.best_step = acc, state.step
         eta = self.eta_s()
-        progress = (f"  run {100 * state.step / max(self.total_steps, 1):.0f}% (step {state.step}/"
-                    f"{self.total_steps}{', ETA ' + format_duration(eta) if eta is not None else ''})")
+        total = self.total_steps
+        progress = (f"  run {100 * state.step / max(total, 1):.0f}% (step {state.step}/{total}"
+                    f"{', ETA ' + format_duration(eta) if eta is not None else ''})" if total is not None else "")
         summary = (f"epoch {state.epoch + 1}/{self.plan.epochs}  step {state.step}  train_loss {train_loss:.4f}"
                    + "".join(f"  {k} {v:.4f}" for k, v in results.items())
                    + f"  trained {format_duration(state.elapsed_s)} in all" + progress)

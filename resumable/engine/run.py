@@ -366,12 +366,12 @@ class Run:
         """The loop's positions turned into batches from the data source, one epoch iterator at a time."""
         fetch, fetch_epoch = None, None
         try:
-            for epoch, index, indices in loop.run():
+            for epoch, index, item, last in loop.run():
                 if fetch_epoch != epoch:
                     fetch, fetch_epoch = self.source.epoch(self.sampler, epoch, index), epoch
-                self.end_of_epoch = index + 1 == self.sampler.batches_per_epoch
-                self.sync_step = (index + 1) % self.accumulate == 0 or self.end_of_epoch
-                yield epoch, self.state.step, fetch(indices)
+                self.end_of_epoch = last
+                self.sync_step = (index + 1) % self.accumulate == 0 or last
+                yield epoch, self.state.step, fetch(item)
         finally:
             self.source.close()
 

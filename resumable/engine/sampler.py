@@ -8,6 +8,7 @@ augmentation randomness are independent of the data order.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -122,6 +123,21 @@ class ResumableSampler:
         if len(chunk) == self.global_batch:
             return chunk[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
         return torch.tensor_split(chunk, self.world_size)[self.rank]
+
+    def walk(self, epoch: int, first: int, device: torch.device | None = None
+             ) -> Iterator[tuple[int, torch.Tensor, int, bool]]:
+        """``(index, indices, size, last)`` for batches ``first..`` of ``epoch``: what the loop trains (indices on
+        ``device``), how many samples, and whether it is the epoch's last batch."""
+        order = self.epoch_order(epoch)
+        order = order.to(device) if device is not None else order
+        batches = self.batches_per_epoch
+        for index in range(first, batches):
+            indices = self.batch(order, index)
+            yield index, indices, len(indices), index + 1 == batches
+
+    def epoch_done(self, epoch: int, batch_in_epoch: int) -> bool:
+        """Whether every batch of ``epoch`` was trained when ``batch_in_epoch`` batches are."""
+        return batch_in_epoch >= self.batches_per_epoch
 
     def state_dict(self) -> dict[str, Any]:
         # Position lives in TrainState; this records the identity of the order so a resume can
