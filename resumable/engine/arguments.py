@@ -13,7 +13,10 @@ import torch
 from .. import log
 from ..config import RunOptions, format_duration, parse_duration
 from .data import IndexBatches, LoaderBatches
+from .distributed import Distributed
 from .preemption import Budget, colab_default_limit_s, process_age_s
+from .sampler import ResumableSampler
+from .stream import is_stream, stream_source
 from .triggers import SaveTriggers
 
 
@@ -67,13 +70,25 @@ def triggers(options: RunOptions) -> SaveTriggers:
     return SaveTriggers(options.checkpoint_steps, options.checkpoint_every_s)
 
 
-def as_source(data: Any, loader_options: dict[str, Any]) -> tuple[Any, int]:
+def as_source(data: Any, loader_options: dict[str, Any], batch_size: int, seed: int, shuffle: bool, drop_last: bool,
+              dist: Distributed) -> tuple[Any, Any, int | None]:
+    """``(source, sampler, num_samples)`` for ``Run(data=...)``: the batches' source and what orders them (the
+    same object for a stream, whose number of samples is not known: None)."""
     if isinstance(data, IndexBatches):
-        return data, data.size
-    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
-        return LoaderBatches(data, **loader_options), len(data)
-    raise TypeError(f"data must be a map-style Dataset (with __getitem__ and __len__) or resumable.IndexBatches, "
-                    f"not {type(data).__name__}")
+        source, size = data, data.size
+    elif hasattr(data, "__getitem__") and hasattr(data, "__len__") and not is_stream(data):
+        source, size = LoaderBatches(data, **loader_options), len(data)
+    elif is_stream(data):
+        if dist.world_size > 1:
+            raise ValueError("iterable data under torchrun is not supported yet (each rank's stream position would "
+                             "need its own entry): use a map-style dataset, or train in one process")
+        stream = stream_source(data, batch_size, seed, drop_last, loader_options)
+        return stream, stream, None
+    else:
+        raise TypeError(f"data must be a map-style Dataset (with __getitem__ and __len__), an iterable (an "
+                        f"IterableDataset, a stateful loader) or resumable.IndexBatches, not {type(data).__name__}")
+    return source, ResumableSampler(size, batch_size, seed, shuffle=shuffle, drop_last=drop_last, rank=dist.rank,
+                                    world_size=dist.world_size), size
 
 
 def device_of(model: torch.nn.Module) -> torch.device:

@@ -60,7 +60,6 @@ from .loop import Loop, LoopPlan, Outcome
 from .position import accept_data_change, remap_position
 from .preemption import StopFlag
 from .rundir import Choice, RunDir
-from .sampler import ResumableSampler
 from .state import Stateful, TrainState, as_stateful
 
 _BUILT_IN = ("model", "optimizer", "scheduler", "scaler", "sampler")
@@ -73,8 +72,10 @@ class Run:
     steps done before this batch (so it is also the 0-based index of the step the batch belongs to).
 
     ``data`` is a map-style ``Dataset`` (loaded through a ``DataLoader`` with ``num_workers``, ``collate_fn``,
-    ``pin_memory`` and any other ``loader_options``) or :class:`resumable.IndexBatches` for tensors already on
-    the device. ``evaluate()`` runs after each epoch and returns metrics (``test_acc`` picks the best
+    ``pin_memory`` and any other ``loader_options``), :class:`resumable.IndexBatches` for tensors already on
+    the device, or iterable data (an ``IterableDataset``, e.g. Hugging Face ``datasets`` streaming, or a loader
+    such as torchdata's ``StatefulDataLoader``; an epoch ends when it is exhausted: see engine/stream.py).
+    ``evaluate()`` runs after each epoch and returns metrics (``test_acc`` picks the best
     checkpoint); the model's train/eval modes are restored after it. ``objects`` adds more ``Stateful`` things
     to checkpoint (an EMA, a custom sampler, a ``torch``/``numpy``/``random`` generator...).
     ``accumulate=K`` makes a step K micro-batches: call ``optimizer.step()`` when ``run.sync_step`` is true;
@@ -115,9 +116,8 @@ class Run:
                   **(loader_options or {})}
         self.dist = Distributed.current()  # torchrun: the user (or resumable-train) initialised the group
         log.set_rank(self.dist.rank)
-        self.source, size = as_source(data, {k: v for k, v in loader.items() if v is not None})
-        self.sampler = ResumableSampler(size, batch_size, seed, shuffle=shuffle, drop_last=drop_last,
-                                        rank=self.dist.rank, world_size=self.dist.world_size)
+        self.source, self.sampler, size = as_source(data, {k: v for k, v in loader.items() if v is not None},
+                                                    batch_size, seed, shuffle, drop_last, self.dist)
         self.sampler.allow_size_change = self.allow_data_change = allow_data_change
         self.data_change: tuple[int, int] | None = None  # (checkpoint's, now) when the dataset changed size
         self.accumulate = accumulate
