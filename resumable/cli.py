@@ -349,7 +349,9 @@ def chaos(target: str, kills: int, signal_mode: str, seed: int | None, every: st
           break_rng_restore: bool, args: tuple[str, ...]) -> None:
     """Kill a training run (`resumable-train ARGS` unless --target says otherwise) at random moments,
     restart it until it completes, and compare the result with an uninterrupted run: the newest valid
-    checkpoint's fingerprint and the metrics.jsonl records. Exit 0 if IDENTICAL, 1 if DIVERGED.
+    checkpoint's fingerprint and the metrics.jsonl records. Exit 0 if IDENTICAL, 1 if DIVERGED. The kills
+    chain: every --mid-save-every-th lands inside a checkpoint write, and the second lands on the very first
+    step after a resume.
 
     \b
     Examples:

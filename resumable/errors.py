@@ -45,6 +45,10 @@ class StateNotLoadable(ResumableError):
     """An object's state would commit but could never be loaded back safely (weights_only)."""
 
 
+class ResumeNotApplied(ResumableError):
+    """A checkpoint was loaded but the live state does not hold it (an object did not take its state)."""
+
+
 class SaveFailed(ResumableError):
     """A checkpoint save failed; the previous committed checkpoint is still the newest valid one (exit 75:
     fix the cause and run again to continue from it)."""

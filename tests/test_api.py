@@ -172,6 +172,8 @@ def test_bad_data_and_options_are_clear_errors(tmp_path: Path) -> None:
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(TypeError, match="map-style Dataset"):
+        Run(tmp_path, model=model, optimizer=optimizer, data=42, batch_size=2)
+    with pytest.raises(TypeError, match="can be read only once"):
         Run(tmp_path, model=model, optimizer=optimizer, data=iter([1, 2]), batch_size=2)
     with pytest.raises(ValueError, match="shuffle= is decided by resumable"):
         Run(tmp_path, model=model, optimizer=optimizer, data=[1, 2], batch_size=2, loader_options={"shuffle": True})

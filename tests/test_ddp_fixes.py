@@ -30,6 +30,7 @@ from resumable.engine.loop import Loop, LoopPlan
 from resumable.engine.sampler import ResumableSampler
 from resumable.engine.state import TrainState
 from resumable.engine.triggers import SaveTriggers
+from resumable.faults import NO_FAULTS
 from resumable.reporting.history import read_sessions
 from resumable.reporting.reporters import Reporter
 
@@ -63,6 +64,7 @@ class _Session:
         self.manager = _Manager()
         self.last_saved_step: int | None = None
         self.saves: list[tuple[int, str]] = []
+        self.faults = NO_FAULTS
 
     def save(self, reason: str, metrics: dict | None = None, blocked_since: float | None = None) -> None:
         self.saves.append((self.state.step, reason))
@@ -130,7 +132,7 @@ def _drive(dist: Any, epochs: int = 1, triggers: Any = None, session: _Session |
     sampler = ResumableSampler(batches * 8, 8 // world, seed=0, rank=0, world_size=world)
     loop = Loop(session, sampler, LoopPlan(epochs=epochs), Reporter(), lambda epoch: {}, lambda: 0.1,
                 torch.device("cpu"), triggers=triggers, dist=dist)
-    for _epoch, _index, _indices in loop.run():
+    for _epoch, _index, _indices, _last in loop.run():
         loop.report_loss(torch.tensor(0.5))
     return loop, session
 

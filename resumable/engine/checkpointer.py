@@ -7,7 +7,6 @@ counters), so DDP correctness does not depend on remembering which values differ
 
 from __future__ import annotations
 
-import io
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -21,53 +20,18 @@ from ..checkpoint import format as fmt
 from ..checkpoint.memory import PeakMemory
 from ..checkpoint.staging import Staging, default_budget
 from ..checkpoint.writer import CheckpointWriter
-from ..errors import ConfigMismatch, NothingToResume, ResumableError, StateNotLoadable
+from ..errors import NothingToResume, ResumableError
 from ..faults import NO_FAULTS, Faults
 from . import determinism
+from .checks import check_computation, check_loadable
 from .distributed import Distributed
 from .frozen import FrozenTensors
 from .state import Stateful, TrainState, capture_rng, restore_rng
+from .verify import verify_restored
 
 # Payload keys that are not user objects.
 _TRAIN_STATE, _RNG, _RANKS, _MODES = "train_state", "rng", "ranks", "module_modes"
 _OLD_RNG_RANKS = "rng_ranks"  # checkpoints before per-rank counters: every rank's RNG only
-_PLACEHOLDER = torch.zeros(0)
-
-
-def _skeleton(obj: Any) -> Any:
-    """``obj`` with every tensor replaced by one tiny shared tensor: the structure, cheap to pickle."""
-    if isinstance(obj, torch.Tensor):
-        return _PLACEHOLDER
-    if isinstance(obj, dict):
-        return {k: _skeleton(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_skeleton(v) for v in obj]
-    return obj
-
-
-def check_loadable(name: str, state: Any) -> None:
-    """Raise StateNotLoadable if ``state`` would commit but could never be loaded with weights_only."""
-    buffer = io.BytesIO()
-    try:
-        torch.save(_skeleton(state), buffer)
-        buffer.seek(0)
-        torch.load(buffer, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any failure here means the checkpoint could never be resumed
-        detail = " ".join(str(e).split())[:300]
-        raise StateNotLoadable(
-            f"the state of {name!r} cannot be loaded back safely (weights_only): {detail}. Return only tensors, "
-            f"numbers, strings, None and lists/dicts of them from its state_dict() (e.g. convert numpy values "
-            f"with .item() or torch.from_numpy)") from e
-
-
-def check_computation(saved: dict[str, Any], current: dict[str, Any], run_dir: str, api: bool,
-                      ignore: frozenset[str] = frozenset()) -> None:
-    for key in sorted((set(saved) | set(current)) - ignore):
-        default = "none" if key == "amp" else None  # checkpoints from before --amp existed
-        if saved.get(key, default) != current.get(key, default):
-            raise ConfigMismatch(key, saved.get(key, default), current.get(key, default), run_dir, api=api)
-
-
 class Checkpointer:
     """Saves and restores ``objects`` (name → Stateful), the TrainState, module modes and every RNG stream.
 
@@ -112,6 +76,7 @@ class Checkpointer:
         self.last_saved_step: int | None = None
         self.resumed_from: CheckpointInfo | None = None
         self.restore_cost: PeakMemory | None = None  # time and host memory the restore took
+        self.verified: str | None = None  # what the verification of the last restore checked, and its time
 
     # -- saving ------------------------------------------------------------------------------------
     def _rank_state(self) -> dict[str, Any]:
@@ -317,6 +282,8 @@ class Checkpointer:
         self._restore_modes(payload.get(_MODES))
         if not self.faults.skip_rng_restore:
             restore_rng(rng)  # last: loading must not consume random numbers after it
+        self.verified = verify_restored(self.objects, payload, self.state, rng, version, info.fingerprint,
+                                        check_rng=not self.faults.skip_rng_restore)
         self.last_saved_step = info.step
         self.resumed_from = info
         self._last_size = info.size  # the free-space check has an estimate from the first save on

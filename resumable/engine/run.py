@@ -61,6 +61,7 @@ from .position import accept_data_change, remap_position
 from .preemption import StopFlag
 from .rundir import Choice, RunDir
 from .state import Stateful, TrainState, as_stateful
+from .verify import StepWatch, check_schedulers
 
 _BUILT_IN = ("model", "optimizer", "scheduler", "scaler", "sampler")
 
@@ -242,6 +243,7 @@ class Run:
             staging_memory=self.options.staging_memory_bytes)
         for setting in determinism.set_cheap_defaults():  # before the checkpoint's settings are compared
             log.info(f"set {setting} for deterministic cuBLAS (see README: bit-identical resumes)")
+        check_schedulers(self._objects, resuming=choice.latest is not None)  # the same on every rank
         error: Exception | None = None
         if choice.latest is not None:
             try:
@@ -268,6 +270,7 @@ class Run:
                 log.info(f"resuming from step {info.step} (epoch {self.state.epoch}, batch "
                          f"{self.state.batch_in_epoch}), saved {describe_age(info.created)}; loaded in "
                          f"{cost.seconds if cost is not None else 0:.2f}s{memory}")
+                log.info(f"resume verified {self._checkpointer.verified}")
         failed = self.dist.all_errors(None if error is None else str(error) if isinstance(error, ResumableError)
                                       else f"{type(error).__name__}: {error}")
         if failed:
@@ -332,7 +335,8 @@ class Run:
                 return
             ranks = f" (rank {self.dist.rank} of {self.dist.world_size})" if self.dist.active else ""
             log.info(f"training on {self.device}{ranks} with {torch.get_num_threads()} CPU thread(s): step "
-                     f"{state.step} → {loop.total_steps}, checkpoints in {manager.root}", all_ranks=True)
+                     f"{state.step} → {loop.total_steps or 'the end of the data'}, checkpoints in {manager.root}",
+                     all_ranks=True)
             report.session_start(state.step, loop.total_steps, self.resumed_from)
             completed = False
             try:
@@ -365,6 +369,7 @@ class Run:
     def _batches(self, loop: Loop) -> Iterator[tuple[int, int, Any]]:
         """The loop's positions turned into batches from the data source, one epoch iterator at a time."""
         fetch, fetch_epoch = None, None
+        watch = StepWatch([o for o in self._objects.values() if hasattr(o, "param_groups")], self._objects["model"])
         try:
             for epoch, index, item, last in loop.run():
                 if fetch_epoch != epoch:
@@ -372,7 +377,12 @@ class Run:
                 self.end_of_epoch = last
                 self.sync_step = (index + 1) % self.accumulate == 0 or last
                 yield epoch, self.state.step, fetch(item)
+                if watch is not None and self.sync_step:  # the session's first optimizer step is done
+                    watch, first = None, watch
+                    first.check()
         finally:
+            if watch is not None:
+                watch.close()
             self.source.close()
 
     def _wait_quietly(self) -> None:

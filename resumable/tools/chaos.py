@@ -5,6 +5,10 @@ What it runs is a :class:`Target`: `resumable-train` (the default), a Python fun
 through the fork server possible), or any command line (`torchrun ...`, a shell script). Whatever it is, it
 must train with resumable into the run dir chaos hands it (``{run_dir}`` in its arguments): chaos reads that
 dir's checkpoints and ``metrics.jsonl``, and times its kills from the engine's "training on" line.
+
+The kills chain in one run: the first (and every ``mid_save_every``-th) lands inside a checkpoint write, the
+second on the very first step after a resume (the session kills itself with SIGKILL right after that step,
+through ``Faults.kill_at_step``), the others at random moments with the chosen signals.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class Kill:
     signal: str
     mid_save: bool
     step_at_kill: int
+    first_step: bool = False  # killed on the very first step after a resume
     resumed_from: int | None = None
     steps_lost: int | None = None
     restart_to_first_step_s: float | None = None
@@ -91,6 +96,11 @@ def _latest(run_dir: Path) -> tuple[str | None, int]:
     bad = sum(1 for i in infos if i.committed and not i.valid)
     latest = next((i for i in reversed(infos) if i.valid), None)
     return (latest.fingerprint if latest else None), bad
+
+
+def _newest_step(run_dir: Path) -> int:
+    latest, _ = CheckpointManager(checkpoints_dir(run_dir)).latest_valid()
+    return latest.step if latest is not None else 0
 
 
 def _resumed_from(stderr: str) -> int | None:
@@ -210,15 +220,20 @@ class Chaos:
             number = len(kills) + 1
             killing = number <= self.kills
             mid_save = killing and self.mid_save_every > 0 and number % self.mid_save_every == 1
+            # The first kill after a resume lands on the very first step that session trains: the process kills
+            # itself (SIGKILL) right after that step, before anything of it can be saved.
+            first_step = killing and not mid_save and number == 2
             name = self.rng.choice(list(SIGNALS)) if self.signal_mode == "mix" else self.signal_mode
             delay = self.rng.uniform(0.3, 1.7) * self.every_s
             started = time.monotonic()
             # A mid-save session writes each checkpoint slowly, so that its kill lands between payload and
             # manifest; the window is short enough that async saves barely slow its training.
-            proc, tag = self._spawn(run_dir, Faults(save_delay_s=0.3).to_env() if mid_save else {})
+            faults = (Faults(save_delay_s=0.3) if mid_save else
+                      Faults(kill_at_step=_newest_step(run_dir) + 1) if first_step else None)
+            proc, tag = self._spawn(run_dir, faults.to_env() if faults is not None else {})
             lines: list[tuple[float, str]] = []
             reader = self._collect(proc, lines)
-            if killing:
+            if killing and not first_step:
                 # The delay counts from the first step of this session, so kills land in training; a
                 # mid-save kill waits for the first checkpoint write that starts after the delay.
                 while proc.poll() is None and time.monotonic() - started < 600:
@@ -250,9 +265,12 @@ class Chaos:
                 raise RuntimeError(f"training failed with exit code {proc.returncode}:\n{stderr[-2000:]}")
             if not killing and proc.returncode not in (75,):
                 raise RuntimeError(f"training failed with exit code {proc.returncode}:\n{stderr[-2000:]}")
-            kills.append(Kill(number, "KILL" if mid_save else name, inside_save, _max_step(run_dir)))
+            at = faults.kill_at_step if first_step else _max_step(run_dir)
+            kills.append(Kill(number, "KILL" if mid_save or first_step else name, inside_save, at,
+                              first_step=first_step))
             self.echo(f"kill {number}: SIG{kills[-1].signal} at step {kills[-1].step_at_kill}"
-                      f"{' (inside a checkpoint write)' if inside_save else ''}")
+                      f"{' (inside a checkpoint write)' if inside_save else ''}"
+                      f"{' (the first step after the resume)' if first_step else ''}")
 
     def _start_reference(self, run_dir: Path) -> threading.Thread:
         """Run the uninterrupted reference in a thread; its result lands in ``self._reference``."""
@@ -322,11 +340,12 @@ def format_report(report: ChaosReport) -> str:
              f"{'restart→first step':>18}"]
     for k in report.kills:
         restart = f"{k.restart_to_first_step_s:.2f}s" if k.restart_to_first_step_s is not None else "-"
-        lines.append(f"{k.number:>4} {'SIG' + k.signal:>7}{'*' if k.mid_save else ' '}{k.step_at_kill:>12} "
+        mark = "*" if k.mid_save else "^" if k.first_step else " "
+        lines.append(f"{k.number:>4} {'SIG' + k.signal:>7}{mark}{k.step_at_kill:>12} "
                      f"{k.resumed_from if k.resumed_from is not None else '-':>12} "
                      f"{k.steps_lost if k.steps_lost is not None else '-':>10} {restart:>18}")
     lost = [k.steps_lost for k in report.kills if k.steps_lost is not None]
-    lines.append("(* = killed inside a checkpoint write)")
+    lines.append("(* = killed inside a checkpoint write, ^ = on the first step after a resume)")
     if len(report.kills) < report.kills_planned:
         lines.append(f"the run finished after {len(report.kills)} of the {report.kills_planned} kills asked for "
                      f"(a longer run, e.g. a higher --max-steps, or a shorter --every fits them all)")
