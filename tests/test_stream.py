@@ -111,3 +111,11 @@ def test_resuming_with_other_workers_names_the_difference(tmp_path: Path) -> Non
     done = _train(tmp_path / "run", "stateful", 0)
     assert done.returncode != 0
     assert "num_workers: checkpoint 2, now 0" in done.stderr and "per DataLoader worker" in done.stderr
+
+
+def test_the_progress_bar_runs_before_the_stream_length_is_known(tmp_path: Path) -> None:
+    model = stream_train.Model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = Run(tmp_path, model=model, optimizer=optimizer, data=stream_train.Stateful(), batch_size=8, epochs=1,
+              collate_fn=stream_train.pad, progress=True)
+    assert sum(1 for _ in run) == 15 and run.finished

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator
 from itertools import islice
@@ -114,7 +115,7 @@ class _WorkerStream(IterableDataset):
             yield batch, worker, count, size, samples, (dataset.state_dict() if self.protocol else None)
 
 
-class _Stream:
+class _Stream(ABC):
     """What the loop and the run need from a stream: ``walk`` (batches with one batch of lookahead, so the last
     of an epoch is known when it is trained), ``epoch_done``, the position as a ``state_dict``, and ``epoch``
     (the run's fetch: the batch is the item)."""
@@ -134,16 +135,22 @@ class _Stream:
     def batches_per_epoch(self) -> int | None:
         return self.epoch_batches
 
+    @abstractmethod
     def identity(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """What must match between a checkpoint and this run (its options and kind)."""
 
+    @abstractmethod
+    def _fresh(self, position: dict[str, Any] | None) -> dict[str, Any]:
+        """The kind's part of the position at the start of a walk (from ``position`` when resuming mid-epoch)."""
+
+    @abstractmethod
+    def _consume(self, mark: Any) -> None:
+        """Record the position after the batch whose ``mark`` is given (it is handed to the loop)."""
+
+    @abstractmethod
     def _open(self, epoch: int, first: int, position: dict[str, Any] | None) -> Iterator[tuple[Any, int, Any]]:
         """``(batch, size, mark)`` of the epoch from batch ``first``; a last ``(None, _END, mark)`` says the stream
         is exhausted (mark: the position after its last batch, or None to keep that batch's)."""
-        raise NotImplementedError
-
-    def _consume(self, mark: Any) -> None:
-        raise NotImplementedError
 
     def walk(self, epoch: int, first: int, device: torch.device | None = None
              ) -> Iterator[tuple[int, Any, int, bool]]:
@@ -173,9 +180,6 @@ class _Stream:
                 raise ValueError("the data yielded no batch in its first epoch; check that iterating it yields "
                                  f"samples (and that it holds at least batch_size={self.batch_size} with "
                                  f"drop_last=True)")
-
-    def _fresh(self, position: dict[str, Any] | None) -> dict[str, Any]:
-        raise NotImplementedError
 
     def epoch_done(self, epoch: int, batch_in_epoch: int) -> bool:
         return self._ended == (epoch, batch_in_epoch)
@@ -301,12 +305,10 @@ class LoaderStream(_Stream):
                 "num_workers": int(getattr(self.loader, "num_workers", 0) or 0)}
 
     def _fresh(self, position: dict[str, Any] | None) -> dict[str, Any]:
-        return {"loader": position.get("loader") if position is not None else None, "samples": 0}
+        return {"loader": position.get("loader") if position is not None else None}
 
     def _consume(self, mark: Any) -> None:
-        state, size = mark
-        self._consumed["loader"] = state
-        self._consumed["samples"] += size
+        self._consumed["loader"] = mark
 
     def _open(self, epoch: int, first: int, position: dict[str, Any] | None) -> Iterator[tuple[Any, int, Any]]:
         dataset = getattr(self.loader, "dataset", None)
@@ -325,8 +327,8 @@ class LoaderStream(_Stream):
                            "(or pass the dataset itself) to resume in O(1)")
         for batch in iterator:
             size = batch_size_of(batch)
-            yield batch, size, (self.loader.state_dict() if self.protocol else None, size)
-        yield None, _END, ((self.loader.state_dict(), 0) if self.protocol else None)
+            yield batch, size, (self.loader.state_dict() if self.protocol else None)
+        yield None, _END, (self.loader.state_dict() if self.protocol else None)
 
 
 def stream_source(data: Any, batch_size: int, seed: int, drop_last: bool, loader_options: dict[str, Any]) -> _Stream:

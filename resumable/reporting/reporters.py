@@ -22,7 +22,7 @@ from .tensorboard import TensorBoardLog
 class Reporter:
     """No-op defaults; a reporter overrides the events it records."""
 
-    def session_start(self, step: int, total_steps: int, resumed_from: int | None) -> None: ...
+    def session_start(self, step: int, total_steps: int | None, resumed_from: int | None) -> None: ...
 
     def epoch_begin(self, epoch: int, epochs: int) -> None: ...
 
@@ -99,7 +99,7 @@ class TensorBoardReporter(Reporter):
     def __init__(self, board: TensorBoardLog) -> None:
         self.board = board
 
-    def session_start(self, step: int, total_steps: int, resumed_from: int | None) -> None:
+    def session_start(self, step: int, total_steps: int | None, resumed_from: int | None) -> None:
         self.board.open(resumed_from)
 
     def step(self, step: int, record: dict[str, Any] | None, postfix: dict[str, str] | None) -> None:
@@ -122,8 +122,10 @@ class ProgressReporter(Reporter):
     def __init__(self) -> None:
         self.bar: tqdm | None = None
 
-    def session_start(self, step: int, total_steps: int, resumed_from: int | None) -> None:
-        self.bar = tqdm(total=total_steps, initial=min(step, total_steps), unit="step", file=sys.stderr,
+    def session_start(self, step: int, total_steps: int | None, resumed_from: int | None) -> None:
+        # total None: a stream whose length is not known yet (the bar counts steps without a total)
+        initial = step if total_steps is None else min(step, total_steps)
+        self.bar = tqdm(total=total_steps, initial=initial, unit="step", file=sys.stderr,
                         dynamic_ncols=True)
 
     def epoch_begin(self, epoch: int, epochs: int) -> None:
@@ -156,7 +158,7 @@ class HistoryReporter(Reporter):
         self.sessions = sessions
         self.note = note
 
-    def session_start(self, step: int, total_steps: int, resumed_from: int | None) -> None:
+    def session_start(self, step: int, total_steps: int | None, resumed_from: int | None) -> None:
         self.sessions.start(step, resumed_from, self.note)
 
     def session_end(self, step: int, ended: str) -> None:
