@@ -18,6 +18,7 @@ import torch
 from helpers import env, final_fingerprint, records
 
 from resumable import Run
+from resumable.errors import ResumableError
 from resumable.faults import Faults
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only, never the hub
@@ -108,9 +109,8 @@ def test_an_iterator_or_a_stream_under_the_wrong_options_is_refused(tmp_path: Pa
 
 def test_resuming_with_other_workers_names_the_difference(tmp_path: Path) -> None:
     _killed(tmp_path / "run", "stateful", 2, Faults(kill_at_step=8))
-    done = _train(tmp_path / "run", "stateful", 0)
-    assert done.returncode != 0
-    assert "num_workers: checkpoint 2, now 0" in done.stderr and "per DataLoader worker" in done.stderr
+    with pytest.raises(ResumableError, match=r"num_workers: checkpoint 2, now 0\).*per DataLoader worker"):
+        _train(tmp_path / "run", "stateful", 0)
 
 
 def test_the_progress_bar_runs_before_the_stream_length_is_known(tmp_path: Path) -> None:
