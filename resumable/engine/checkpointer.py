@@ -282,7 +282,7 @@ class Checkpointer:
         self._restore_modes(payload.get(_MODES))
         if not self.faults.skip_rng_restore:
             restore_rng(rng)  # last: loading must not consume random numbers after it
-        self.verified = verify_restored(self.objects, payload, self.state, rng, version, info.fingerprint,
+        self.verified = verify_restored(self.objects, payload, self.state, rng,
                                         check_rng=not self.faults.skip_rng_restore)
         self.last_saved_step = info.step
         self.resumed_from = info

@@ -3,8 +3,8 @@ with what was saved, so a resume that silently loaded nothing (an overridden ``l
 that was never passed, an optimizer re-created after the Run was built) stops with an error that names the
 object, instead of training on from the wrong state.
 
-* :func:`verify_restored` (at each resume): the model + optimizer fingerprint recomputed from the live objects
-  equals the manifest's; the data position (sampler or stream), the loop position, the scheduler's
+* :func:`verify_restored` (at each resume): the live model + optimizer equal, byte for byte, the payload whose
+  fingerprint matched the manifest's; the data position (sampler or stream), the loop position, the scheduler's
   ``last_epoch``, the AMP scaler and every RNG stream read back equal the checkpoint's.
 * :func:`unpassed_schedulers`: learning-rate schedulers attached to a checkpointed optimizer (torch marks the
   ``step`` it wraps) that are not checkpointed themselves.
@@ -21,7 +21,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import log
-from ..checkpoint import digests, fingerprint
+from ..checkpoint import digests
 from ..checkpoint.tree import tensors
 from ..errors import ResumeNotApplied
 from .state import capture_rng
@@ -55,23 +55,13 @@ def difference(saved: Any, live: Any, path: str = "") -> str | None:
     return None if saved == live else f"{path or '/'} ({saved!r} saved, {live!r} now)"
 
 
-def _fingerprint(objects: dict[str, Any], payload: dict[str, Any], version: int) -> tuple[str, dict[str, Any]]:
-    """The fingerprint of the live model + optimizer over what the checkpoint stored (frozen tensors left out)."""
+def _live(objects: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
+    """The live model + optimizer state over what the checkpoint stored (frozen tensors left out)."""
     model = objects["model"].state_dict()
     saved_model = payload["model"]
     if isinstance(model, dict) and isinstance(saved_model, dict):
         model = {key: model[key] for key in saved_model if key in model}
-    live = {"model": model, "optimizer": objects["optimizer"].state_dict()}
-    found = digests.of_payload(live) if version == digests.VERSION else fingerprint(live["model"], live["optimizer"])
-    return found, live
-
-
-def _name_the_difference(payload: dict[str, Any], live: dict[str, Any]) -> tuple[str, str]:
-    for name in digests.COVERED:
-        where = difference(payload[name], live[name], f"/{name}")
-        if where is not None:
-            return name, where
-    return "model", "its fingerprint"  # equal values under a different fingerprint: not expected
+    return {"model": model, "optimizer": objects["optimizer"].state_dict()}
 
 
 _ADVICE = {
@@ -83,18 +73,24 @@ _ADVICE = {
 
 
 def verify_restored(objects: dict[str, Any], payload: dict[str, Any], train_state: Any, rng: dict[str, Any],
-                    version: int, expected: str, check_rng: bool = True) -> str:
+                    check_rng: bool = True) -> str:
     """Compare the live state with ``payload`` (just loaded); raise ResumeNotApplied naming the object that did
-    not take its state, else return what was checked and how long it took."""
+    not take its state, else return what was checked and how long it took.
+
+    ``payload`` is the one whose fingerprint was just matched with the manifest's, so the live model and
+    optimizer equal to it byte for byte is the same proof as their fingerprint recomputed, without hashing."""
     started = time.perf_counter()
-    found, live = _fingerprint(objects, payload, version)
-    if found != expected:
-        name, where = _name_the_difference(payload, live)
+    live = _live(objects, payload)
+    differs = next(((name, where) for name in digests.COVERED
+                    if (where := difference(payload[name], live[name], f"/{name}")) is not None), None)
+    if differs is not None:
+        name, where = differs
         raise ResumeNotApplied(f"resume verification failed: the {name} does not hold the checkpoint's state after "
                                f"loading it ({where} differs): {_ADVICE[name]}. Training on would start from the "
                                f"wrong state; nothing was changed on disk")
     size = sum(t.numel() * t.element_size() for _, t in tensors(live))
-    checked = [f"model + optimizer fingerprint ({sum(1 for _ in tensors(live))} tensors, {size / 1e6:.1f} MB)"]
+    count = sum(1 for _ in tensors(live))
+    checked = [f"model + optimizer byte-equal to the checkpoint ({count} tensors, {size / 1e6:.1f} MB)"]
     for name, obj in objects.items():
         if name in digests.COVERED or obj is None or name not in ("sampler", "scheduler", "scaler"):
             continue
