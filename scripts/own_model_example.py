@@ -4,7 +4,7 @@ A small CNN with BatchNorm (not the MNIST guide's), a one-cycle LR schedule, and
 random augmentation runs in DataLoader workers. Data is synthetic (no download): 28x28 images whose label is
 the quadrant holding a bright blob.
 
-    python scripts/own_model_example.py --run-dir runs/own --epochs 3 --num-workers 2
+    python scripts/own_model_example.py --run-dir runs/own --epochs 3 --num-workers 2 --accumulate 2 --amp bf16
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (eager backend)")
     parser.add_argument("--tensorboard", action="store_true")
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--amp", choices=["none", "bf16"], default="none", help="bf16 autocast for the forward pass")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -93,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
                         accumulate=args.accumulate, max_steps=args.max_steps, checkpoint_steps=args.checkpoint_steps,
                         tensorboard=args.tensorboard, log_every=args.log_every, progress=False)
     for _epoch, _step, (x, y) in run:
-        loss = F.cross_entropy(model(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp == "bf16"):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float(), y)
         (loss / args.accumulate).backward()
         if run.sync_step:  # the last micro-batch of an optimizer step
             optimizer.step()

@@ -31,6 +31,8 @@ def test_chaos_five_kills_identical(mnist_dir: Path, tmp_path: Path) -> None:
     report = json.loads(result.stdout)
     assert report["verdict"] == "IDENTICAL" and report["difference"] is None
     assert len(report["kills"]) == 5 and report["kills"][0]["mid_save"]  # confirmed: a write was in progress
+    assert report["kills"][1]["first_step"]  # the very first step after the first resume
+    assert report["kills"][1]["step_at_kill"] == report["kills"][1]["resumed_from"] + 1
     assert all(k["restart_to_first_step_s"] is not None for k in report["kills"])
     assert report["unloadable_checkpoints"] == 0
     assert report["fingerprint"] == report["reference_fingerprint"]
@@ -83,19 +85,23 @@ def test_report_says_when_the_run_finished_before_all_kills() -> None:
     assert "finished after" not in format_report(ChaosReport("IDENTICAL", None, kills, 10.0, 9.0, kills_planned=2))
 
 
-def _own_model_chaos(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
-    return run(["chaos", "--kills", "2", "--signal", "mix", "--seed", "11", "--every", "0.4s", "--workdir",
+def _own_model_chaos(tmp_path: Path, *options: str, kills: int = 2) -> subprocess.CompletedProcess:
+    return run(["chaos", "--kills", str(kills), "--signal", "mix", "--seed", "11", "--every", "0.4s", "--workdir",
                 str(tmp_path), "--json", *options], name="resumable", timeout=300)
 
 
-def test_chaos_drives_an_own_model_script_as_a_command(tmp_path: Path) -> None:
-    # Cold restarts of a plain command line: `python scripts/own_model_example.py --run-dir {run_dir} ...`.
-    result = _own_model_chaos(tmp_path, "--target", "command", "--", sys.executable, str(OWN_MODEL), *OWN)
+def test_chaos_chains_three_kills_of_an_own_model_script_with_workers_accumulation_and_amp(tmp_path: Path) -> None:
+    # Cold restarts of a plain command line: `python scripts/own_model_example.py --run-dir {run_dir} ...`, with
+    # augmentation in 2 DataLoader workers, 2 micro-batches per step and bf16 autocast. Kill 1 lands inside a
+    # checkpoint write, kill 2 on the very first step after that resume, kill 3 at a random moment.
+    result = _own_model_chaos(tmp_path, "--target", "command", "--", sys.executable, str(OWN_MODEL), *OWN,
+                              "--num-workers", "2", "--accumulate", "2", "--amp", "bf16", "--epochs", "10",
+                              kills=3)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
     assert report["verdict"] == "IDENTICAL" and report["difference"] is None
-    # Both kills land unless the machine trains 150 steps in well under a second; the first is inside a write.
-    assert 1 <= len(report["kills"]) <= 2 and report["kills"][0]["mid_save"]
+    # Kill 3 lands unless the machine trains 150 steps in well under a second.
+    assert 2 <= len(report["kills"]) <= 3 and report["kills"][0]["mid_save"] and report["kills"][1]["first_step"]
     assert report["kills"][0]["resumed_from"] is not None and report["unloadable_checkpoints"] == 0
     assert report["fingerprint"] == report["reference_fingerprint"] is not None
     assert (tmp_path / "chaos" / "checkpoints").is_dir() and (tmp_path / "reference" / "metrics.jsonl").is_file()
