@@ -20,12 +20,14 @@ TRAIN = ["--max-steps", "120", "--batch-size", "64", "--checkpoint-steps", "10",
 
 
 def test_chaos_five_kills_identical(mnist_dir: Path, tmp_path: Path) -> None:
-    # Warm restarts (fork server) keep this test short; the broken-engine test below restarts cold.
+    # resumable-train with bf16 autocast, 5 chained kills: the first inside a checkpoint write, the second on the
+    # very first step after that resume. Warm restarts (fork server) keep this test short; the broken-engine
+    # test below restarts cold.
     # About 2.5 s of training between the 5 kills, far from the run's 200 steps even on a fast machine, so
     # all 5 land before it finishes.
     result = run(["chaos", "--kills", "5", "--signal", "mix", "--seed", "3", "--every", "0.5s", "--warm",
                   "--workdir", str(tmp_path), "--json", "--", "--data-dir", str(mnist_dir), *TRAIN,
-                  "--max-steps", "200"],
+                  "--max-steps", "200", "--amp", "bf16"],
                  name="resumable", timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
