@@ -351,6 +351,9 @@ class Checkpointer:
                 for difference in determinism.differences(info.manifest.get("determinism"), determinism.settings()):
                     log.warning(f"{difference}: bit-identity with the uninterrupted run is only promised when the "
                                 f"determinism settings match the checkpoint's")
+                versions = determinism.version_difference(info.manifest.get("torch_version"))
+                if versions is not None:
+                    log.warning(versions)
                 return info
             if len(verdicts) < self.dist.world_size:
                 rank, message = verdicts[0]

@@ -39,6 +39,22 @@ def differences(saved: Any, current: dict[str, Any]) -> list[str]:
             for name in sorted(saved) if name in current and saved[name] != current[name]]
 
 
+def _major_minor(version: Any) -> tuple[int, ...] | None:
+    """``"2.14.1+cu130"`` → ``(2, 14)``; None for anything that is not such a version."""
+    parts = str(version).split("+")[0].split(".")[:2]
+    return tuple(int(p) for p in parts) if len(parts) == 2 and all(p.isdigit() for p in parts) else None
+
+
+def version_difference(saved: Any, current: str = torch.__version__) -> str | None:
+    """A warning when the checkpoint was written by another torch major.minor (None: the same, or unknown).
+    Such a checkpoint resumes, but kernels and RNG implementations may change between releases."""
+    before, now = _major_minor(saved), _major_minor(current)
+    if before is None or now is None or before == now:
+        return None
+    return (f"this checkpoint was written with torch {saved} and this session runs torch {current}: it resumes, "
+            f"but bit-identity with an uninterrupted run is only promised on the same torch version")
+
+
 def set_cheap_defaults() -> list[str]:
     """Set the deterministic defaults that cost little; returns what was set (for the log)."""
     changed = []
