@@ -84,7 +84,10 @@ class Run:
     checkpoints are only taken between steps. ``config`` (JSON-able) is recorded and must match on resume.
     ``resume``: ``auto`` (default) continues from the newest valid checkpoint, ``must`` requires one,
     ``never`` starts over (``overwrite=True`` discards existing checkpoints). ``allow_data_change=True``
-    continues a run whose dataset changed length since the checkpoint, at an epoch boundary. Other keyword arguments are
+    continues a run whose dataset changed length since the checkpoint, at an epoch boundary. ``resume_from=STEP``
+    continues from that checkpoint instead of the newest (engine/rewind.py); ``ignore_crash_loop=True`` starts even
+    when the last sessions all failed from the same step (engine/crashloop.py: otherwise :class:`CrashLoop`, exit
+    77). ``hang_timeout`` (``"auto"``, a duration or ``"off"``): engine/watchdog.py. Other keyword arguments are
     :class:`~resumable.config.RunOptions` (``max_steps``, ``checkpoint_every="5m"``, ``checkpoint_steps``,
     ``time_limit``, ``keep``, ``tensorboard``, ``cache_dir``...).
 
