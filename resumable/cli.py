@@ -20,7 +20,8 @@ _CONFIG_OPTIONS = ("run_dir", "data_dir", "epochs", "max_steps", "batch_size", "
                    "lr_schedule", "amp", "checkpoint_steps", "checkpoint_every", "mtbf", "time_limit",
                    "sync_checkpoints", "on_save_error",
                    "keep", "keep_best", "log_every", "tensorboard", "download", "progress", "cache_dir",
-                   "drive_credentials", "drive_flush_timeout", "store_frozen", "shard_size", "staging_memory")
+                   "drive_credentials", "drive_flush_timeout", "store_frozen", "shard_size", "staging_memory",
+                   "hang_timeout")
 
 
 class Duration(click.ParamType):
@@ -144,6 +145,15 @@ def _fail(message: str) -> None:
 @click.option("--staging-memory", type=Size(), default=None,
               help="Host memory that asynchronous saves copy the state into (e.g. 4GB; 0: none). Training waits "
                    "while the part that does not fit is written. Default: half of the free host memory.")
+@click.option("--hang-timeout", type=Duration(allow=("auto", "off")), default=TrainConfig.hang_timeout,
+              show_default=True, help="Exit 76 with every thread's stack in RUN_DIR/hang-*.txt when no step completes "
+              "for this long (evaluation and saves excepted; a session's first step gets at least 15m); 'auto': "
+              "max(10 x p99 step time, 5m); 'off'.")
+@click.option("--resume-from", type=click.IntRange(min=0), default=None, metavar="STEP",
+              help="Resume from the checkpoint of STEP instead of the newest; the newer ones are moved to "
+              "RUN_DIR/set-aside/.")
+@click.option("--ignore-crash-loop", is_flag=True, default=False,
+              help="Start even when the last 3 sessions all failed from the same step (otherwise exit 77).")
 @click.option("--tensorboard", is_flag=True, default=TrainConfig.tensorboard,
               help="Also write TensorBoard events to RUN_DIR/tensorboard (pip install 'resumable[tensorboard]').")
 @click.option("--download/--no-download", default=TrainConfig.download, show_default=True,
@@ -155,7 +165,8 @@ def _fail(message: str) -> None:
               "unless --overwrite).")
 @click.option("--overwrite", is_flag=True, help="With --fresh: delete existing checkpoints and metrics.")
 @click.pass_context
-def train_command(ctx: click.Context, mode: str | None, overwrite: bool, **options: Any) -> None:
+def train_command(ctx: click.Context, mode: str | None, overwrite: bool, resume_from: int | None,
+                  ignore_crash_loop: bool, **options: Any) -> None:
     """Train the MNIST CNN of the classic Colab guide, resumably.
 
     Kill it at any moment and run the same command again: it continues from the newest valid
@@ -169,6 +180,8 @@ def train_command(ctx: click.Context, mode: str | None, overwrite: bool, **optio
     explicit["run_dir"] = options["run_dir"]
     if overwrite and mode != "fresh":
         raise click.UsageError("--overwrite only makes sense with --fresh")
+    if resume_from is not None and mode == "fresh":
+        raise click.UsageError("--resume-from continues from a checkpoint and --fresh starts over: give one of them")
     for name, flag in _PATH_OPTIONS:
         value = options[name]
         remote = name == "run_dir" and value.startswith("gdrive://")  # a Drive URL is checked where it is parsed
@@ -189,8 +202,9 @@ def train_command(ctx: click.Context, mode: str | None, overwrite: bool, **optio
     try:
         from .tasks.train_mnist import train  # heavy imports (torch) after cheap validation
 
-        code = train(explicit, mode=mode or "auto", overwrite=overwrite).exit_code
-    except ResumableError as e:  # the one place errors become exit codes (2: bad input, 75: run again)
+        code = train(explicit, mode=mode or "auto", overwrite=overwrite, resume_from=resume_from,
+                     ignore_crash_loop=ignore_crash_loop).exit_code
+    except ResumableError as e:  # the one place errors become exit codes (2: bad input, 75: run again, 77: loop)
         _echo_err(f"error: {e}")
         _exit(e.exit_code)
     except KeyboardInterrupt:

@@ -54,6 +54,7 @@ class RunOptions:
     store_frozen: bool = False  # store frozen tensors too (default: recorded by fingerprint, not written)
     shard_size: str = "256MB"  # the most tensor bytes per safetensors file of a checkpoint
     staging_memory: str | None = None  # host memory for asynchronous saves; None: half of the free memory
+    hang_timeout: str | None = "auto"  # a duration, "auto" (from the step times: engine/watchdog.py) or None/"off"
 
     def __post_init__(self) -> None:
         for name in ("shard_size", "staging_memory"):
@@ -71,9 +72,10 @@ class RunOptions:
                  "must be warn or stop")
         if self.cache_dir is not None:
             _require_path("cache_dir", self.cache_dir)
-        for name in ("checkpoint_every", "mtbf", "time_limit", "drive_flush_timeout"):
+        for name in ("checkpoint_every", "mtbf", "time_limit", "drive_flush_timeout", "hang_timeout"):
             value = getattr(self, name)
-            if value is not None and not (name == "checkpoint_every" and value == "auto"):
+            if value is not None and not (name in ("checkpoint_every", "hang_timeout") and value == "auto") and not (
+                    name == "hang_timeout" and value == "off"):
                 try:
                     parse_duration(value)
                 except ValueError as e:
@@ -97,6 +99,15 @@ class RunOptions:
     @property
     def staging_memory_bytes(self) -> int | None:
         return None if self.staging_memory is None else parse_size(self.staging_memory)
+
+    @property
+    def hang_timeout_s(self) -> float | None:
+        """The fixed hang timeout in seconds; None when auto or off (see :attr:`watchdog_on`)."""
+        return None if self.hang_timeout in (None, "auto", "off") else parse_duration(self.hang_timeout)
+
+    @property
+    def watchdog_on(self) -> bool:
+        return self.hang_timeout not in (None, "off")
 
     @property
     def time_limit_s(self) -> float | None:

@@ -10,6 +10,10 @@ from typing import Any
 
 EXIT_USAGE = 2  # bad input or a run dir that cannot be used as asked; nothing was changed
 EXIT_RESUME = 75  # EX_TEMPFAIL: stopped early with the newest committed checkpoint intact; run again
+EXIT_HANG = 76  # no optimizer step for --hang-timeout: stacks dumped to RUN_DIR/hang-*.txt; restart it (the
+# newest committed checkpoint is intact)
+EXIT_CRASH_LOOP = 77  # refused to start: the last sessions all failed from the same step; fix, --resume-from an
+# older checkpoint or --ignore-crash-loop (nothing was changed)
 EXIT_INTERRUPTED = 130  # a second Ctrl-C
 
 
@@ -54,6 +58,12 @@ class SaveFailed(ResumableError):
     fix the cause and run again to continue from it)."""
 
     exit_code = EXIT_RESUME
+
+
+class CrashLoop(ResumableError):
+    """The last sessions all failed without committing past the step this start would resume from (exit 77)."""
+
+    exit_code = EXIT_CRASH_LOOP
 
 
 class LockLost(ResumableError):

@@ -24,13 +24,19 @@ multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a
     chaos must report as DIVERGED; it skips the check that the RNG streams were restored, too). ``kill_at_step``:
     SIGKILL this process right after that optimizer step, before anything is saved at its boundary (a kill at an
     exact step: e.g. the first step after a resume). ``kill_in_save_at_step``: SIGKILL it inside the save of that
-    step, after the payload is written and before the manifest commits it."""
+    step, after the payload is written and before the manifest commits it. ``hang_at_step``: block forever right
+    after that step (a hung collective or data loader, for the watchdog). ``raise_at_step``: raise RuntimeError
+    right after that step, every session (a step that always fails: a crash loop). ``ignore_crash_loop``: start even
+    when the last sessions look like a crash loop (chaos kills sessions on purpose, before they commit anything)."""
 
     save_delay_s: float = 0.0
     skip_rng_restore: bool = False
     shard_delay_s: float = 0.0
     kill_at_step: int | None = None
     kill_in_save_at_step: int | None = None
+    hang_at_step: int | None = None
+    raise_at_step: int | None = None
+    ignore_crash_loop: bool = False
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -58,6 +64,10 @@ multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a
     def after_step(self, step: int) -> None:
         if step == self.kill_at_step:
             _die()
+        if step == self.raise_at_step:
+            raise RuntimeError(f"planted failure at step {step} (Faults.raise_at_step)")
+        if step == self.hang_at_step:
+            _hang()
 
     def between_shards(self) -> None:
         if self.shard_delay_s > 0:
@@ -67,6 +77,12 @@ multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a
 def _die() -> None:
     """SIGKILL this process at once, as a VM that goes away does (no handler, no cleanup)."""
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _hang() -> None:
+    """Block this thread forever, as a lost collective or a stuck data loader does."""
+    while True:
+        time.sleep(3600)
 
 
 NO_FAULTS = Faults()

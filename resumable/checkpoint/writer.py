@@ -86,6 +86,15 @@ class CheckpointWriter:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for the save in flight to end (from another thread: reports nothing,
+        changes nothing); True when none is running."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
     def check(self) -> None:
         """Raise SaveFailed if a finished save failed. Cheap enough to call every step."""
         if self._error is not None and not self.busy:

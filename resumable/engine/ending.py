@@ -69,6 +69,11 @@ def describe_error(error: BaseException) -> str:
     return f"error: {type(error).__name__}"
 
 
+def error_detail(error: BaseException) -> str:
+    """An exception's type and message on one line, for the end record (what the crash-loop check quotes)."""
+    return " ".join(f"{type(error).__name__}: {error}".split())[:500]
+
+
 def confirm_committed(outcome: Outcome | None, manager: CheckpointManager, step: int) -> Outcome | None:
     """Before reporting the state committed, read the newest checkpoint back from where it claims to be: a run
     dir deleted or emptied under a live run must not end in "done" with no checkpoint anywhere."""

@@ -4,6 +4,7 @@ to its reporters (metrics, TensorBoard, progress, console: see reporting/reporte
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ from .distributed import Distributed, Pending
 from .preemption import Budget, StopFlag
 from .sampler import ResumableSampler
 from .triggers import SaveTriggers
+from .watchdog import Watchdog
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,8 @@ class Loop:
                  current_lr: Callable[[], float], device: torch.device,
                  triggers: SaveTriggers | None = None, stop: StopFlag | None = None,
                  budget: Budget | None = None, on_interval: Callable[[float, float], None] | None = None,
-                 dist: Distributed | None = None, lost: Callable[[], str | None] | None = None) -> None:
+                 dist: Distributed | None = None, lost: Callable[[], str | None] | None = None,
+                 watchdog: Watchdog | None = None) -> None:
         self.session = session
         self.state = session.state
         self.sampler = sampler
@@ -92,6 +95,10 @@ class Loop:
         self.eval_time = _Estimate()
         self._clock = time.monotonic()
         self._session_start_step = self.state.step
+        self.watchdog = watchdog  # ticked at each step, paused around evaluation and blocking saves
+
+    def _paused(self) -> contextlib.AbstractContextManager:
+        return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
 
     # -- plan --------------------------------------------------------------------------------------
     @property
@@ -204,13 +211,15 @@ class Loop:
                     outcome = Outcome(False, reason)
                     break
         self._drain()
-        self._wait_saves()  # a save still in flight may fail: its outcome decides how this run ends
+        with self._paused():
+            self._wait_saves()  # a save still in flight may fail: its outcome decides how this run ends
         if outcome.reason == "lock lost":  # another process owns the run dir now: write nothing more
             self.outcome = outcome
             return
         if not self._failed_anywhere() and self._agree(self.session.last_saved_step != self.state.step):
             self._save(outcome.reason if not outcome.finished else "final")
-            self._wait_saves(last=True)  # the last save commits before the run ends
+            with self._paused():
+                self._wait_saves(last=True)  # the last save commits before the run ends
         committed = self._save_error is None and self.session.last_saved_step == self.state.step
         if self._agree(not committed):  # the newest state is not committed: never "done", on any rank
             outcome = Outcome(False, "save error")
@@ -283,6 +292,8 @@ class Loop:
             if (index + 1) % accumulate and not last:
                 continue  # mid-window: no step boundary, so no log, trigger or save here
             state.step += 1
+            if self.watchdog is not None:
+                self.watchdog.beat(state.step)
             self.session.faults.after_step(state.step)
             rate_samples += step_samples
             record, postfix = None, None
@@ -315,7 +326,8 @@ class Loop:
     def _finish_epoch(self) -> None:
         state = self.state
         started = time.monotonic()
-        results = self.end_epoch(state.epoch)
+        with self._paused():
+            results = self.end_epoch(state.epoch)
         self.eval_time.add(time.monotonic() - started)
         self._drain()
         loss_sum, loss_count = state.epoch_loss_sum, state.epoch_loss_count
@@ -348,6 +360,10 @@ class Loop:
         self._clock = now
 
     def _save(self, reason: str, metrics: dict[str, float] | None = None) -> None:
+        with self._paused():
+            self._save_now(reason, metrics)
+
+    def _save_now(self, reason: str, metrics: dict[str, float] | None) -> None:
         self._tick()
         blocked_since = time.perf_counter()
         # This save waits for the one in flight anyway; waiting first lets its failure be handled (warn:

@@ -55,13 +55,14 @@ from .checkpointer import Checkpointer
 from .data import IndexBatches
 from .distributed import Distributed
 from .elastic import planned_stop_before_restart, record_planned_stop
-from .ending import close_mirror, confirm_committed, describe_error, summarise
+from .ending import close_mirror, confirm_committed, describe_error, error_detail, summarise
 from .loop import Loop, LoopPlan, Outcome
 from .position import accept_data_change, remap_position
 from .preemption import StopFlag
 from .rundir import Choice, RunDir
 from .state import Stateful, TrainState, as_stateful
 from .verify import StepWatch, check_schedulers
+from .watchdog import Watchdog, start_watchdog
 
 _BUILT_IN = ("model", "optimizer", "scheduler", "scaler", "sampler")
 
@@ -83,7 +84,10 @@ class Run:
     checkpoints are only taken between steps. ``config`` (JSON-able) is recorded and must match on resume.
     ``resume``: ``auto`` (default) continues from the newest valid checkpoint, ``must`` requires one,
     ``never`` starts over (``overwrite=True`` discards existing checkpoints). ``allow_data_change=True``
-    continues a run whose dataset changed length since the checkpoint, at an epoch boundary. Other keyword arguments are
+    continues a run whose dataset changed length since the checkpoint, at an epoch boundary. ``resume_from=STEP``
+    continues from that checkpoint instead of the newest (engine/rewind.py); ``ignore_crash_loop=True`` starts even
+    when the last sessions all failed from the same step (engine/crashloop.py: otherwise :class:`CrashLoop`, exit
+    77). ``hang_timeout`` (``"auto"``, a duration or ``"off"``): engine/watchdog.py. Other keyword arguments are
     :class:`~resumable.config.RunOptions` (``max_steps``, ``checkpoint_every="5m"``, ``checkpoint_steps``,
     ``time_limit``, ``keep``, ``tensorboard``, ``cache_dir``...).
 
@@ -104,7 +108,8 @@ class Run:
                  config: Mapping[str, Any] | None = None, resume: str = "auto", overwrite: bool = False,
                  computation: Mapping[str, Any] | None = None, settings: Mapping[str, Any] | None = None,
                  prepared: tuple[RunDir, Choice] | None = None, faults: Faults | None = None,
-                 allow_data_change: bool = False, **options: Any) -> None:
+                 allow_data_change: bool = False, resume_from: int | None = None, ignore_crash_loop: bool = False,
+                 **options: Any) -> None:
         if resume not in ("auto", "must", "never"):
             raise ValueError(f"resume={resume!r} must be auto, must or never")
         if accumulate < 1:
@@ -157,6 +162,8 @@ class Run:
         self._iterator: Iterator[tuple[int, int, Any]] | None = None
         self._elastic_stop = False  # stopped on purpose under torchelastic (see engine/elastic.py)
         self._ended_by: str | None = None  # the exception that ended the loop from outside, if any
+        self._error: str | None = None  # its type and message
+        self.resume_from, self.ignore_crash_loop = resume_from, ignore_crash_loop
 
     # -- results -----------------------------------------------------------------------------------
     @property
@@ -199,6 +206,8 @@ class Run:
         it; an exception that leaves a plain ``for`` loop uncaught is recorded through ``sys.excepthook``)."""
         if error is not None and self._ended_by is None:
             self._ended_by = describe_error(error)
+            if not isinstance(error, KeyboardInterrupt):
+                self._error = error_detail(error)
         if self._iterator is not None:
             self._iterator.close()
 
@@ -211,7 +220,8 @@ class Run:
             rundir, choice = self._prepared
         else:
             rundir, choice = RunDir.open(self.dist, self.run_dir, self.options.cache_dir,
-                                         self.options.drive_credentials, self.mode, self.overwrite)
+                                         self.options.drive_credentials, self.mode, self.overwrite, self.resume_from,
+                                         self.ignore_crash_loop or self.faults.ignore_crash_loop)
         self._rundir = rundir
         active.add(self.run_dir, self)
         try:
@@ -292,7 +302,8 @@ class Run:
         reporters.append(ConsoleReporter())
         note = (f"dataset changed from {self.data_change[0]} to {self.data_change[1]} samples (allow_data_change)"
                 if self.data_change else None)
-        reporters.append(HistoryReporter(SessionLog(rundir.local if main else None), note))
+        self._sessions = SessionLog(rundir.local if main else None)
+        reporters.append(HistoryReporter(self._sessions, note))
         return Reporters(reporters)
 
     def _train(self, rundir: RunDir, choice: Choice) -> Iterator[tuple[int, int, Any]]:
@@ -338,6 +349,7 @@ class Run:
                      f"{state.step} → {loop.total_steps or 'the end of the data'}, checkpoints in {manager.root}",
                      all_ranks=True)
             report.session_start(state.step, loop.total_steps, self.resumed_from)
+            loop.watchdog = self._watch(rundir, state.step)
             completed = False
             try:
                 yield from self._batches(loop)
@@ -349,8 +361,16 @@ class Run:
                 raise
             except GeneratorExit:  # closed: by close()/with, a re-run notebook cell, or an uncaught exception
                 ended = self._ended_by or ended
+                if self._error:
+                    self._sessions.note_error(self._error)
+                raise
+            except Exception as e:  # raised inside the engine (evaluate(), a fault): recorded for the crash-loop check
+                ended = describe_error(e)
+                self._sessions.note_error(error_detail(e))
                 raise
             finally:
+                if loop.watchdog is not None:
+                    loop.watchdog.stop()  # the final uploads are not watched
                 if not completed:
                     self._wait_quietly()
                 report.session_end(state.step, ended)
@@ -362,6 +382,15 @@ class Run:
             self._elastic_stop = True
             log.info(f"under torchrun this worker exits 0, so that the group is not restarted; `resumable torchrun` "
                      f"exits {EXIT_RESUME} for this stop (plain torchrun exits 0)")
+
+    def _watch(self, rundir: RunDir, step: int) -> Watchdog | None:
+        """Arm the step watchdog (engine/watchdog.py); every rank runs its own and writes its own stack file."""
+        if not self.options.watchdog_on:
+            return None
+        session = self.dist.broadcast(self._sessions.number)  # rank 0 numbers the sessions: one name on every rank
+        return start_watchdog(self.options.hang_timeout, self.options.hang_timeout_s, rundir.local, self.dist.rank,
+                              session, step, self._sessions.end if self.dist.main else None,
+                              self._checkpointer.writer.wait_idle)
 
     def _confirmed(self, outcome: Outcome | None, manager: CheckpointManager) -> Outcome | None:
         return confirm_committed(outcome, manager, self.state.step)

@@ -15,14 +15,16 @@ from pathlib import Path
 from .. import log
 from ..checkpoint import CheckpointInfo, CheckpointManager, checkpoints_dir
 from ..errors import NothingToResume, ResumableError, RunDirInUse
-from ..reporting.history import SESSIONS
+from ..reporting.history import SESSIONS, read_sessions
 from ..reporting.metrics import METRICS
 from ..reporting.tensorboard import TENSORBOARD_DIR
 from ..storage import RunLocation, StorageError, open_run_location
 from ..storage.lease import DriveLease
 from ..storage.tiered import restore_newest
+from .crashloop import check_crash_loop
 from .distributed import Distributed
 from .lock import RunLock
+from .rewind import choose_step, set_aside_newer
 
 
 @dataclass
@@ -35,11 +37,19 @@ class Choice:
     run_id: str = ""
 
 
-def choose_checkpoint(manager: CheckpointManager, run_dir: str, mode: str, overwrite: bool) -> Choice:
+def choose_checkpoint(manager: CheckpointManager, run_dir: str, mode: str, overwrite: bool,
+                      resume_from: int | None = None) -> Choice:
     """The checkpoint to resume; modifies nothing.
 
     ``mode``: ``auto`` resumes when there is a valid checkpoint, ``resume`` requires one, ``fresh`` starts over
-    (and needs ``overwrite`` to discard existing checkpoints)."""
+    (and needs ``overwrite`` to discard existing checkpoints). ``resume_from``: that step's checkpoint instead of the
+    newest (engine/rewind.py)."""
+    if resume_from is not None:
+        if mode == "fresh":
+            raise ResumableError("--resume-from continues from a checkpoint and --fresh starts over: give one of them")
+        latest = choose_step(manager, run_dir, resume_from)
+        run_id = (latest.manifest or {}).get("run_id")
+        return Choice(latest, [], run_id if isinstance(run_id, str) and run_id else uuid.uuid4().hex)
     committed = [i for i in manager.inspect(deep=False) if i.committed]
     if mode == "fresh":
         if committed and not overwrite:
@@ -95,9 +105,10 @@ class RunDir:
 
     @classmethod
     def open(cls, dist: Distributed, run_dir: str, cache_dir: str | None, credentials: str | None, mode: str,
-             overwrite: bool) -> tuple[RunDir, Choice]:
+             overwrite: bool, resume_from: int | None = None, ignore_crash_loop: bool = False) -> tuple[RunDir, Choice]:
         """Open and lock the run dir (rank 0), bring Drive's newest checkpoint back and pick the one to resume
-        (see :func:`choose_checkpoint`). Raises ResumableError on every rank if rank 0 cannot."""
+        (see :func:`choose_checkpoint`), unless the last sessions make a crash loop there (engine/crashloop.py).
+        Raises ResumableError on every rank if rank 0 cannot."""
         if not dist.main:
             chosen = dist.broadcast(None)
             if isinstance(chosen, ResumableError):
@@ -110,9 +121,19 @@ class RunDir:
             opened._check_entries()
             if opened.taken_over:
                 log.info(opened.taken_over)
+            if resume_from is not None and opened.remote is not None:
+                raise ResumableError(f"--resume-from is not supported for Drive run dirs yet ({run_dir}): the newer "
+                                     f"checkpoints on Drive would come back at the next start. Copy the step dir you "
+                                     f"want into a new run dir's checkpoints/ folder and train there")
             if opened.remote is not None and not (mode == "fresh" and overwrite):
                 opened._restore()
-            chosen = choose_checkpoint(opened.manager, run_dir, mode, overwrite)
+            chosen = choose_checkpoint(opened.manager, run_dir, mode, overwrite, resume_from)
+            if mode != "fresh" and not ignore_crash_loop:
+                step = chosen.latest.step if chosen.latest is not None else 0
+                older = [i.step for i in opened.manager.inspect(deep=False) if i.valid and i.step < step]
+                check_crash_loop(read_sessions(opened.local), step, older, run_dir)
+            if resume_from is not None:
+                set_aside_newer(opened.manager, opened.local, resume_from)
         except OSError as e:  # a full or read-only disk at start: exit 2 with the cause, not a traceback
             error = ResumableError(f"cannot open the run dir {run_dir} ({e}); free space or fix permissions, then "
                                    f"run again")

@@ -7,8 +7,12 @@ killed (or is still running). Records::
     {"event": "start", "session": 3, "time": 1764672000.0, "step": 1200, "resumed_from": 1200,
      "host": "colab-vm", "pid": 4242}
     {"event": "end", "session": 3, "time": 1764675600.0, "step": 2400, "ended": "finished"}
+    {"event": "end", "session": 4, "time": 1764679200.0, "step": 2410, "ended": "error: RuntimeError",
+     "error": "RuntimeError: CUDA error: an illegal memory access was encountered"}
 
-``ended`` is ``finished``, ``time limit``, ``save error``, ``interrupted`` or a signal name (``SIGTERM``).
+``ended`` is ``finished``, ``time limit``, ``save error``, ``interrupted``, a signal name (``SIGTERM``), ``hang``
+(the step watchdog fired: engine/watchdog.py) or ``error: TYPE`` (an exception); ``error`` says what failed (for an
+exception, its type and message), which the crash-loop check (engine/crashloop.py) quotes.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import math
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,6 +31,7 @@ from typing import Any
 from .metrics import JsonlScan, rewrite_jsonl, scan_jsonl
 
 SESSIONS = "sessions.jsonl"
+ERROR_MAX = 500  # characters of an error kept in an end record
 
 
 @dataclass
@@ -39,6 +45,7 @@ class SessionRecord:
     end: float | None = None
     end_step: int | None = None
     ended: str | None = None  # None: killed, or still running
+    error: str | None = None  # what failed, when an exception or a hang ended it
 
     @property
     def how(self) -> str:
@@ -72,7 +79,8 @@ def _text(value: Any) -> bool:
 # as they are (a newer resumable may add some).
 _START = {"time": (_number, True), "step": (_count, True), "resumed_from": (_optional(_count), False),
           "host": (_optional(_text), False), "pid": (_optional(_count), False)}
-_END = {"time": (_optional(_number), False), "step": (_optional(_count), False), "ended": (_optional(_text), False)}
+_END = {"time": (_optional(_number), False), "step": (_optional(_count), False), "ended": (_optional(_text), False),
+        "error": (_optional(_text), False)}
 
 
 def session_problem(record: Any) -> str | None:
@@ -108,6 +116,7 @@ def _sessions(records: list[dict[str, Any]]) -> list[SessionRecord]:
         elif record["event"] == "end" and number in sessions:
             entry = sessions[number]
             entry.end, entry.end_step, entry.ended = record.get("time"), record.get("step"), record.get("ended")
+            entry.error = record.get("error")
     return [sessions[n] for n in sorted(sessions)]
 
 
@@ -126,6 +135,8 @@ class SessionLog:
         """``run_dir`` None: record nothing (DDP ranks other than 0)."""
         self.path = Path(run_dir) / SESSIONS if run_dir is not None else None
         self.number: int | None = None
+        self.error: str | None = None  # what failed, recorded with the end (see :meth:`note_error`)
+        self._ending = threading.Lock()
 
     def _append(self, record: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -149,8 +160,16 @@ class SessionLog:
         self._append({**record, "note": note} if note else record)
         return self.number
 
-    def end(self, step: int, ended: str) -> None:
-        if self.number is None:
+    def note_error(self, error: str) -> None:
+        """What ended the session (an exception's type and message), written with its end record."""
+        self.error = error[:ERROR_MAX]
+
+    def end(self, step: int, ended: str, error: str | None = None) -> None:
+        """Record the end; called once, by the training thread or by the watchdog of a hung one (engine/watchdog.py)."""
+        with self._ending:  # the first caller writes it
+            number, self.number = self.number, None
+        if number is None:
             return
-        self._append({"event": "end", "session": self.number, "time": time.time(), "step": step, "ended": ended})
-        self.number = None
+        record = {"event": "end", "session": number, "time": time.time(), "step": step, "ended": ended}
+        error = error or self.error
+        self._append({**record, "error": error[:ERROR_MAX]} if error else record)

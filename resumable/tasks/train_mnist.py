@@ -19,6 +19,7 @@ from ..engine.run import Run
 from ..engine.rundir import RunDir
 from ..engine.state import TrainState, seed_everything
 from ..errors import ConfigMismatch, ResumableError
+from ..faults import Faults
 from .mnist_task import MnistTask
 
 _RESUME = {"auto": "auto", "resume": "must", "fresh": "never"}
@@ -60,12 +61,14 @@ class TrainResult:
     stats: SaveStats | None
 
 
-def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False) -> TrainResult:
-    """Run ``resumable-train`` with the options the user gave explicitly."""
+def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False, resume_from: int | None = None,
+          ignore_crash_loop: bool = False) -> TrainResult:
+    """Run ``resumable-train`` with the options the user gave explicitly (``resume_from``, ``ignore_crash_loop``:
+    see engine/rewind.py and engine/crashloop.py)."""
     dist = Distributed.from_env(_device_type(explicit.get("device", TrainConfig.device)))  # torchrun: join
     log.set_rank(dist.rank)  # before the task is built: only rank 0 speaks from the start
     try:
-        return _train(dist, explicit, mode, overwrite)
+        return _train(dist, explicit, mode, overwrite, resume_from, ignore_crash_loop)
     finally:
         # The DDP model (and the Run around it) hold the process group. Free them now, while the interpreter is
         # whole, so that destroying the group really ends gloo's threads here and not during interpreter
@@ -74,10 +77,11 @@ def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False)
         dist.close()
 
 
-def _train(dist: Distributed, explicit: dict[str, Any], mode: str, overwrite: bool) -> TrainResult:
+def _train(dist: Distributed, explicit: dict[str, Any], mode: str, overwrite: bool, resume_from: int | None,
+           ignore_crash_loop: bool) -> TrainResult:
     run_dir = explicit.get("run_dir", TrainConfig.run_dir)
     rundir, choice = RunDir.open(dist, run_dir, explicit.get("cache_dir"), explicit.get("drive_credentials"), mode,
-                                 overwrite)
+                                 overwrite, resume_from, ignore_crash_loop or Faults.from_env().ignore_crash_loop)
     try:
         run, task = _build(dist, explicit, mode, overwrite, rundir, choice)
     except BaseException:
@@ -86,8 +90,10 @@ def _train(dist: Distributed, explicit: dict[str, Any], mode: str, overwrite: bo
     try:
         for _epoch, _step, indices in run:
             run.log(task.train_step(indices))
-    finally:
-        run.close()  # an exception (a second Ctrl-C) ends the session here, not at interpreter teardown
+    except BaseException as e:
+        run.close(e)  # an exception (a second Ctrl-C) ends the session here, recorded, not at interpreter teardown
+        raise
+    run.close()
     return TrainResult(run.exit_code, run.state, run.stats)
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..checkpoint import CheckpointManager, checkpoints_dir
 from ..checkpoint import format as fmt
-from ..faults import Faults
+from ..faults import FAULTS_ENV, Faults
 from ..reporting.metrics import read_records, without_timing
 from .forkserver import ForkServer
 from .targets import Target
@@ -167,7 +167,12 @@ class Chaos:
     def _spawn(self, run_dir: Path, extra: dict[str, str], server: int = 0):
         """Start one session; returns the process and the session's tag."""
         tag = f"{os.getpid()}.{next(self._numbers)}"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env, **extra, SESSION_ENV: tag}
+        # Its kills are on purpose, often before a session commits anything: never a crash loop (engine/crashloop.py).
+        # The faults of both sources together (a session's own faults must not drop --break-rng-restore's).
+        faults = {**json.loads(self.extra_env.get(FAULTS_ENV) or "{}"), **json.loads(extra.get(FAULTS_ENV) or "{}"),
+                  "ignore_crash_loop": True}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env, **extra, FAULTS_ENV: json.dumps(faults),
+               SESSION_ENV: tag}
         # One record per step, so "step at kill" is exact (both runs get it, so records still compare); not
         # with a user's --reference, whose records were written with the options as given.
         chosen = self._own_reference and not any(a.startswith("--log-every") for a in self.target.args)
