@@ -145,4 +145,5 @@ class Uploads(Store):
                 raise DriveError(400, "badRequest", f"received {len(session.data)} bytes, more than {session.total}")
             reply = self._commit_upload(session.file_id, session.metadata, bytes(session.data), session.mime_type)
             session.done_id = json.loads(reply.body)["id"]
+            session.data = bytearray()  # committed to the file; a status query now answers with the file
             return reply
