@@ -10,10 +10,11 @@ from ..errors import EXIT_RESUME
 from ..storage.tiered import Mirror
 from .checkpointer import Checkpointer
 from .loop import Outcome
+from .preemption import Budget
 from .state import TrainState
 
 
-def close_mirror(mirror: Mirror, flush_timeout: str, interrupted: bool) -> None:
+def close_mirror(mirror: Mirror, flush_timeout: str, interrupted: bool, budget: Budget | None = None) -> None:
     """Training never waits on Drive, except here at exit, for at most --drive-flush-timeout (not at all
     after a second Ctrl-C: the user wants out now, and what is committed locally goes up next time)."""
     if interrupted:
@@ -29,6 +30,8 @@ def close_mirror(mirror: Mirror, flush_timeout: str, interrupted: bool) -> None:
         log.warning(f"checkpoint(s) {', '.join(map(str, pending))} are committed locally in {mirror.local.root} "
                     f"but not yet durable on {mirror.remote.description} after --drive-flush-timeout "
                     f"{flush_timeout}; keep this machine up and run again, or raise the timeout")
+    if budget is not None and budget.deadline is not None:
+        report_durable(mirror, budget)
     if mirror.errors:
         log.error(f"{len(mirror.errors)} upload(s) to {mirror.remote.description} failed ({mirror.errors[-1]}); "
                   f"those checkpoints exist only in {mirror.local.root}")
@@ -37,6 +40,25 @@ def close_mirror(mirror: Mirror, flush_timeout: str, interrupted: bool) -> None:
                  f"{mirror.bytes / 1e6:.1f} MB uploaded in {mirror.upload_s:.1f}s"
                  + (f" ({mirror.reused_bytes / 1e6:.1f} MB of unchanged shards already there, not sent again)"
                     if mirror.reused_bytes else ""))
+
+
+def report_durable(mirror: Mirror, budget: Budget) -> None:
+    """One line: when the newest checkpoint became durable on the remote, against the session's time limit."""
+    newest = max(mirror.durable, default=None)
+    at = mirror.durable_at(newest) if newest is not None else None
+    if newest is None or at is None:
+        log.warning(f"no checkpoint of this run is durable on {mirror.remote.description} yet")
+        return
+    save_s, upload_s = budget.reserved
+    left = budget.deadline - at
+    reserved = f"(final save {save_s:.1f} s + upload {upload_s:.1f} s reserved)"
+    if left >= 0:
+        log.info(f"newest checkpoint step {newest} durable on {mirror.remote.description} {left:.1f} s before the "
+                 f"time limit {reserved}")
+    else:
+        log.warning(f"newest checkpoint step {newest} became durable on {mirror.remote.description} {-left:.1f} s "
+                    f"after the time limit {reserved}: a VM stopped at the limit would have lost it; lower "
+                    f"--time-limit to leave more room")
 
 
 def summarise(checkpointer: Checkpointer, state: TrainState, outcome: Outcome | None, lost: str | None,

@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -104,15 +105,19 @@ class Budget:
     """A wall-clock deadline for this session, checked before each step.
 
     ``fits(step_s, save_s)`` is False once the next step plus a final save (with a margin) would no
-    longer finish before the deadline.
+    longer finish before the deadline. ``durable_s`` (set for a run dir on Drive: the mirror's estimate) adds
+    the time the final checkpoint then takes to become durable remotely, so that it is there before the deadline,
+    not only on the local disk.
     """
 
     def __init__(self, limit_s: float | None, start: float | None = None, margin: float = 1.5,
-                 floor_s: float = 1.0) -> None:
+                 floor_s: float = 1.0, durable_s: Callable[[], float] | None = None) -> None:
         self.limit_s = limit_s
         self.start = time.monotonic() if start is None else start
         self.margin = margin
         self.floor_s = floor_s
+        self.durable_s = durable_s
+        self.reserved: tuple[float, float] = (0.0, 0.0)  # (save, upload) seconds reserved at the last check
 
     @property
     def deadline(self) -> float | None:
@@ -127,7 +132,9 @@ class Budget:
         remaining = self.remaining(now)
         if remaining is None:
             return True
-        return remaining > (step_s + save_s) * self.margin + self.floor_s
+        upload_s = self.durable_s() if self.durable_s is not None else 0.0
+        self.reserved = (save_s, upload_s)
+        return remaining > (step_s + save_s + upload_s) * self.margin + self.floor_s
 
 
 def process_age_s() -> float:

@@ -333,8 +333,11 @@ class Run:
                         accumulate=self.accumulate)
         ended, interrupted = "interrupted", False  # the loop was left by break, an exception or close()
         with StopFlag() as stop:
+            session_budget = budget(self.options)
+            if self._mirror is not None:  # the final checkpoint must reach Drive before the limit, not only disk
+                session_budget.durable_s = self._mirror.pace.durable_s
             loop = Loop(checkpointer, self.sampler, plan, report, self._end_epoch, self._current_lr, self.device,
-                        triggers=triggers(self.options), stop=stop, budget=budget(self.options),
+                        triggers=triggers(self.options), stop=stop, budget=session_budget,
                         on_interval=self._announce_interval if self.options.checkpoint_every == "auto" else None,
                         dist=self.dist, lost=(lambda: rundir.lost) if main else None)
             self._loop = loop
@@ -423,7 +426,8 @@ class Run:
 
     def _close_mirror(self, interrupted: bool) -> None:
         if self._mirror is not None:
-            close_mirror(self._mirror, self.options.drive_flush_timeout, interrupted)
+            close_mirror(self._mirror, self.options.drive_flush_timeout, interrupted,
+                         self._loop.budget if self._loop is not None else None)
 
     def _summarise(self) -> None:
         summarise(self._checkpointer, self.state, self.outcome, self._rundir.lost if self._rundir else None,

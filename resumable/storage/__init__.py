@@ -15,6 +15,9 @@ from .base import RemoteFile, RemoteStore
 from .gdrive import DriveLocation, GDriveStore, is_drive_url
 from .mounted import MountedDirStore, is_mounted_drive
 from .retry import RetryPolicy, StorageError, TransientStorageError
+from .upload import DEFAULT_CHUNK, check_chunk_size
+
+UPLOAD_SESSIONS = ".upload-sessions"  # in the local cache of a gdrive:// run dir: sessions of unfinished uploads
 
 __all__ = ["RemoteFile", "RemoteStore", "RetryPolicy", "RunLocation", "StorageError", "TransientStorageError",
            "default_cache_dir", "open_run_location"]
@@ -38,17 +41,32 @@ def open_run_location(run_dir: str, cache_dir: str | None = None, credentials: s
     # pydrive2 has no HTTP timeout by default: a stalled connection would hang training's exit forever.
     timeout = timeout or float(os.environ.get("RESUMABLE_DRIVE_TIMEOUT", "60"))
     policy = policy or RetryPolicy.from_env()
+    slug = hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]
+    name = str(run_dir).rstrip("/").rsplit("/", 1)[-1] or "run"
+    local_dir = Path(cache_dir or default_cache_dir()) / f"{name}-{slug}"
     if is_drive_url(run_dir):
         from pydrive2.drive import GoogleDrive
 
         from .auth import make_gauth
 
         location = DriveLocation.parse(run_dir)  # a malformed URL is reported before any authentication
-        remote = GDriveStore(GoogleDrive(make_gauth(credentials, timeout)), location, policy, url=run_dir)
+        chunk = drive_chunk_size()
+        remote = GDriveStore(GoogleDrive(make_gauth(credentials, timeout)), location, policy, url=run_dir,
+                             sessions_dir=local_dir / UPLOAD_SESSIONS, chunk_size=chunk)
     elif is_mounted_drive(run_dir):
         remote = MountedDirStore(Path(run_dir), policy)
     if remote is None:
         return RunLocation(Path(run_dir), None)
-    slug = hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]
-    name = str(run_dir).rstrip("/").rsplit("/", 1)[-1] or "run"
-    return RunLocation(Path(cache_dir or default_cache_dir()) / f"{name}-{slug}", remote)
+    return RunLocation(local_dir, remote)
+
+
+def drive_chunk_size() -> int:
+    """The Drive upload chunk size: RESUMABLE_DRIVE_CHUNK_MIB (a multiple of 0.25), 8 MiB by default."""
+    text = os.environ.get("RESUMABLE_DRIVE_CHUNK_MIB")
+    if text is None:
+        return DEFAULT_CHUNK
+    try:
+        return check_chunk_size(int(float(text) * 1024 * 1024) if float(text) > 0 else -1)
+    except ValueError:
+        raise ValueError(f"RESUMABLE_DRIVE_CHUNK_MIB={text!r} is not a positive multiple of 0.25 (Drive takes "
+                         f"chunks in multiples of 256 KiB); use e.g. 8") from None

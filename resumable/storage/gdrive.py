@@ -23,6 +23,7 @@ from typing import Any
 from ..checkpoint import paths
 from .base import CHECKPOINTS, RemoteFile, folder_parts
 from .retry import MissingFile, RetryPolicy, StorageError, TransientStorageError
+from .upload import DEFAULT_CHUNK, ResumableUpload, SessionRecords, Target
 
 SCHEME = "gdrive://"
 FOLDER_MIME = "application/vnd.google-apps.folder"
@@ -106,12 +107,15 @@ class GDriveStore:
     prune_grace_s = 0.0  # an upload that returned (size and md5 checked) is stored by Drive: prune at once
 
     def __init__(self, drive: Any, location: DriveLocation, policy: RetryPolicy | None = None,
-                 url: str = "") -> None:
+                 url: str = "", sessions_dir: Path | None = None, chunk_size: int = DEFAULT_CHUNK) -> None:
+        """sessions_dir: where the session of an unfinished upload is kept, so that the next process on this
+        machine continues it (upload.py); None: an upload cut by the process dying starts over."""
         self.drive = drive  # a pydrive2 GoogleDrive
         self.location = location
         self.policy = policy or RetryPolicy()
         self.description = f"Google Drive {url or 'gdrive://' + '/'.join((location.root_id, *location.path))}"
         self._folders: dict[tuple[str, ...], str] = {}
+        self.uploads = ResumableUpload(drive, self.policy, classify, SessionRecords(sessions_dir), chunk_size)
 
     # -- low level ---------------------------------------------------------------------------------
     def _call(self, action, what: str):
@@ -200,25 +204,21 @@ class GDriveStore:
         self._check_names(folder, name)
         parent = self._folder_id(self._parts(folder), create=True)
 
-        def upload() -> RemoteFile:
+        def find_target() -> Target:
             existing = self._children(parent, name, folders=False)
-            if existing:  # overwrite by id: uploading the name again would create a duplicate
-                remote = self.drive.CreateFile({"id": existing[0]["id"]})
-            else:
-                remote = self.drive.CreateFile({"title": name, "parents": [{"id": parent}],
-                                                "mimeType": "application/octet-stream"})
-            try:
-                remote.SetContentFile(str(source))
-                remote.Upload()
-            finally:
-                content = getattr(remote, "content", None)
-                if content is not None and not content.closed:
-                    content.close()
-            if "md5Checksum" not in remote or "fileSize" not in remote:
-                remote.FetchMetadata(fields="fileSize,md5Checksum")
-            return RemoteFile(int(remote["fileSize"]), remote["md5Checksum"])
+            return Target(folder, name, parent, existing[0]["id"] if existing else None)
 
-        return self._call(upload, f"uploading {folder + '/' if folder else ''}{name}")
+        what = f"uploading {folder + '/' if folder else ''}{name} to {self.description}"
+        try:
+            resource = self.uploads.upload(source, folder, name, parent, find_target, what)
+        except MissingFile:  # the file it was replacing was deleted meanwhile: upload it as a new file
+            resource = self.uploads.upload(source, folder, name, parent, lambda: Target(folder, name, parent, None),
+                                           what)
+        if "md5Checksum" not in resource or "fileSize" not in resource:
+            file_id = resource["id"]
+            resource = self._call(lambda: self.drive.auth.service.files().get(
+                fileId=file_id, fields="fileSize,md5Checksum").execute(http=self.uploads.http()), f"checking {name}")
+        return RemoteFile(int(resource["fileSize"]), resource["md5Checksum"])
 
     def get_file(self, folder: str, name: str, target: Path) -> None:
         self._check_names(folder, name)

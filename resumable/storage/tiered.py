@@ -1,5 +1,5 @@
 """Tiered storage: commit locally first (fast), mirror committed checkpoints to a RemoteStore in the
-background, and on a fresh machine bring the newest durable checkpoint back before resuming.
+background, and on a fresh machine bring the newest durable checkpoint back before resuming (restore.py).
 
 A checkpoint is durable remotely only once every payload file is uploaded and verified (size, and md5
 where the remote reports one) and then its manifest is uploaded: a remote folder without a manifest is
@@ -8,8 +8,7 @@ remote manifest places it there (placement.py). Remote pruning follows local ret
 after a newer checkpoint is durable.
 
 The remote is untrusted (anyone may write to a shared Drive folder): a remote manifest is validated like a local
-one, file names from it or from a listing must be plain names, and a download never writes through a link or
-FIFO already at its name (checkpoint/paths.py).
+one, and file names from it or from a listing must be plain names (checkpoint/paths.py).
 """
 
 from __future__ import annotations
@@ -29,12 +28,14 @@ from ..reporting.history import SESSIONS
 from ..reporting.tensorboard import TENSORBOARD_DIR
 from . import placement
 from .base import RemoteFile, RemoteStore, run_of, same_run
-from .durable import describe_remote, durable_steps, remote_checkpoints, remote_entries, remote_manifest
+from .durable import describe_remote, durable_steps, remote_checkpoints, remote_manifest
+from .pace import UploadPace
 from .placement import Listings, Placements
+from .restore import METRICS, restore_newest
 from .retry import StorageError
 
-__all__ = ["Mirror", "describe_remote", "durable_steps", "remote_checkpoints", "restore_newest"]  # durable.py's too
-METRICS = "metrics.jsonl"
+# durable.py's and restore.py's too, for the callers that knew them here
+__all__ = ["Mirror", "describe_remote", "durable_steps", "remote_checkpoints", "restore_newest"]
 
 
 def run_logs(run_dir: Path) -> list[tuple[str, Path]]:
@@ -53,104 +54,6 @@ def md5_file(path: Path) -> str:
         while chunk := handle.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _created(manifest: dict | None) -> float:
-    value = (manifest or {}).get("created_unix")
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
-
-
-def _drop_stale_cache(local: CheckpointManager, run_dir: Path, run: str | None, newest: tuple[int, dict],
-                      description: str, say: Callable[[str], None]) -> bool:
-    """Remove the local checkpoints and logs of runs other than ``run`` (the remote's), unless they are newer
-    than the remote's ``newest`` (step, manifest). Returns False when the cache holds the newer run."""
-    others = [info for info in local.inspect(deep=False)
-              if info.manifest is not None and not same_run(run_of(info.manifest), run)]
-    if not others:
-        return True
-    ids = ", ".join(sorted({str(run_of(info.manifest)) for info in others}))
-    if max(_created(info.manifest) for info in others) > _created(newest[1]):
-        # A run started here after the remote's (--fresh --overwrite) whose first upload never finished:
-        # it is the user's newest work, and the remote's folders are leftovers.
-        say(f"warning: the local cache {local.root} holds run {ids} (up to step {others[-1].step}), newer than "
-            f"run {run} on {description} (step {newest[0]}); keeping the cache and bringing nothing back")
-        return False
-    say(f"the local cache {local.root} holds run {ids} up to step {others[-1].step}, but {description} holds "
-        f"run {run} (newest step {newest[0]}): removing the stale cache and resuming run {run}")
-    for info in others:
-        local.delete(info.path)
-    # Its logs are that run's too (like --fresh --overwrite): the remote's are brought back with the checkpoint.
-    for log in (METRICS, SESSIONS):
-        (run_dir / log).unlink(missing_ok=True)
-    try:
-        paths.remove_entry(run_dir / TENSORBOARD_DIR, say)  # a link: only the link goes, and that is said
-    except OSError as e:
-        say(f"warning: could not remove the stale {run_dir / TENSORBOARD_DIR} ({e})")
-    return True
-
-
-def _fetch(remote: RemoteStore, folder: str, name: str, directory: Path) -> Path:
-    """Download ``name`` of the remote ``folder`` as ``directory/name``, never through a link or FIFO there."""
-    return paths.write_replacing(directory, name, lambda tmp: remote.get_file(folder, name, tmp),
-                                 f"{remote.description} ({folder or 'the run folder'})")
-
-
-def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
-                   say: Callable[[str], None]) -> int | None:
-    """Bring the remote's newest durable checkpoint into the local cache when it is newer than every valid local
-    one: payload first, sha256-verified, manifest last, with the run's logs. Returns the step brought back.
-
-    The remote decides which run this is: the run of its most recently created durable checkpoint. Local
-    checkpoints of another run are a stale cache (a newer run was started elsewhere with --fresh --overwrite):
-    they are removed, and the remote's checkpoint is brought back even if its step is lower.
-    """
-    local.root.mkdir(parents=True, exist_ok=True)
-    entries = remote_entries(remote, local.root)
-    found = [(step, folder, manifest) for step, folder, manifest, _ in entries]
-    durable = [(step, folder, manifest) for step, folder, manifest in found if manifest is not None]
-    if not durable:
-        return None
-    # By creation time, not step: a folder of an older run left behind (a failed delete) may have a higher step.
-    _, _, current = max(durable, key=lambda item: (_created(item[2]), item[0]))
-    run = run_of(current)
-    ours = [item for item in durable if same_run(run_of(item[2]), run)]
-    if not _drop_stale_cache(local, run_dir, run, (ours[-1][0], ours[-1][2]), remote.description, say):
-        return None
-    latest_local, _ = local.latest_valid()
-    floor = latest_local.step if latest_local else -1
-    for step, folder, manifest, reason in entries:
-        if manifest is None and step > floor and reason != placement.HOLDER:
-            say(f"warning: skipping remote {folder} on {remote.description}: {reason}")
-    for step, folder, manifest in reversed(ours):
-        if step <= floor:
-            break
-        target = paths.real_dir(local.root / folder, say)  # a link there: removed, never written through
-        (target / fmt.MANIFEST).unlink(missing_ok=True)
-        for name, entry in manifest["files"].items():  # plain names: check_remote refused the manifest otherwise
-            _fetch(remote, placement.folder_of(entry, folder), name, target)
-        try:
-            fmt.verify_files(target, manifest, deep=True)
-        except fmt.InvalidCheckpoint as e:
-            say(f"warning: remote {folder} on {remote.description} does not verify ({e}); trying an older one")
-            continue
-        logs = remote.list_files("")
-        for log in (METRICS, SESSIONS):
-            if log in logs:
-                _fetch(remote, "", log, run_dir)
-        board = remote.list_files(TENSORBOARD_DIR)
-        if board:  # the event files: the resumed session's purge_step drops what followed this checkpoint
-            board_dir = paths.real_dir(run_dir / TENSORBOARD_DIR, say)
-            for name in board:
-                problem = paths.name_problem(name)
-                if problem is not None:  # a title like "../../x" in a shared folder: never a path here
-                    say(f"warning: skipping the TensorBoard file {name!r} on {remote.description}: not a plain "
-                        f"file name ({problem})")
-                    continue
-                _fetch(remote, TENSORBOARD_DIR, name, board_dir)
-        fmt.write_json_atomic(target / fmt.MANIFEST, manifest)  # as on the remote: "folder" keys are only hints here
-        say(f"brought checkpoint step {step} back from {remote.description}")
-        return step
-    return None
 
 
 class _Closed(Exception):
@@ -200,6 +103,7 @@ class Mirror:
         self.bytes = 0  # uploaded
         self.reused_bytes = 0  # not uploaded: already durable in an older remote checkpoint's folder
         self.upload_s = 0.0
+        self.pace = UploadPace()  # how fast checkpoints get there: the session budget reserves the last one's upload
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
@@ -258,6 +162,8 @@ class Mirror:
                 break
             except (OSError, fmt.InvalidCheckpoint):
                 continue  # pruned locally meanwhile: nothing to mirror
+            if self._wake.is_set():  # a newer checkpoint was committed: it goes first (a new pass), older ones after
+                break
         self._check_open()
         try:
             self._prune()
@@ -271,18 +177,30 @@ class Mirror:
         manifest = fmt.read_manifest(source)
         reused: dict[str, str] = {}
         md5: dict[str, str] = {}
-        for name, entry in sorted(manifest["files"].items()):
-            where = self.placements.find(name, entry, step, listings)
-            if where is not None:  # the same bytes are durable there: the remote manifest points at them
-                reused[name] = where
-                self.reused_bytes += entry["size"]
-                continue
-            path = source / name
-            self._check_open()
-            got = self.remote.put_file(folder, name, path)
-            self._verify(name, path, got)
-            self.bytes += got.size
-            md5.update({name: got.md5} if got.md5 else {})
+        self.pace.begin(sum(entry["size"] for entry in manifest["files"].values()))
+        try:
+            for name, entry in sorted(manifest["files"].items()):
+                where = self.placements.find(name, entry, step, listings)
+                if where is not None:  # the same bytes are durable there: the remote manifest points at them
+                    reused[name] = where
+                    self.reused_bytes += entry["size"]
+                    self.pace.skip(entry["size"])
+                    continue
+                path = source / name
+                self._check_open()
+                got = self.remote.put_file(folder, name, path)
+                self._verify(name, path, got)
+                self.bytes += got.size
+                self.pace.sent(got.size)
+                md5.update({name: got.md5} if got.md5 else {})
+            self._finish(step, folder, source, manifest, reused, md5, listings)
+        finally:
+            self.pace.end(completed=step in self.durable)
+        self.upload_s += time.monotonic() - started
+
+    def _finish(self, step: int, folder: str, source: Path, manifest: dict, reused: dict[str, str],
+                md5: dict[str, str], listings: Listings) -> None:
+        """After the payload: the logs, then the manifest (now the checkpoint exists remotely)."""
         listings.forget(folder)
         # The records up to this step are in the logs (flushed before the commit); newer ones are rolled
         # back (metrics) or purged (TensorBoard) on resume. The sessions log is the run's history.
@@ -294,7 +212,10 @@ class Mirror:
         self._runs[step] = run_of(manifest)
         self._durable_at[step] = self.clock()  # on a mount: in its cache now, uploaded by Google later
         self.durable.add(step)
-        self.upload_s += time.monotonic() - started
+
+    def durable_at(self, step: int) -> float | None:
+        """When ``step`` became durable remotely (``clock`` time; found there at start: the start), if it is."""
+        return self._durable_at.get(step) if step in self.durable else None
 
     def _put_manifest(self, folder: str, body: dict | None, local: Path) -> None:
         """Upload the manifest, last: now the checkpoint exists remotely. ``body``: the remote one, when it differs
@@ -305,7 +226,9 @@ class Mirror:
             if scratch is not None:
                 fmt.write_json_atomic(scratch / fmt.MANIFEST, body)
             self._check_open()
-            self.remote.put_file(folder, fmt.MANIFEST, scratch / fmt.MANIFEST if scratch else local)
+            path = scratch / fmt.MANIFEST if scratch else local
+            self.remote.put_file(folder, fmt.MANIFEST, path)
+            self.pace.sent(path.stat().st_size)
         finally:
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
@@ -323,6 +246,7 @@ class Mirror:
             self._check_open()
             self.remote.put_file(folder, path.name, Path(snapshot))
             self._log_sizes[key] = os.path.getsize(snapshot)
+            self.pace.sent(self._log_sizes[key])
         finally:
             os.unlink(snapshot)
 

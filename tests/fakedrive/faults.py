@@ -69,6 +69,8 @@ class FaultInjector:
         self.stall_seconds = stall_seconds
         self.faults_fired: list[tuple[str, str, str]] = []  # (fault, method, path?query)
         self._faults: list[Fault] = []
+        self._cuts: list[int] = []  # armed cut_upload offsets, each fires once
+        self.cut_keeps_partial = False
 
     def inject(
         self, fault: str | int, count: int = 1, match: str | None = None, *, skip: int = 0, seconds: float | None = None
@@ -86,9 +88,27 @@ class FaultInjector:
             self._faults.append(spec)
         return spec
 
+    def cut_upload(self, at_bytes: int, *, keep_partial: bool = False) -> None:
+        """Reset the connection of the first upload-session PUT during which that session's received bytes
+        reach ``at_bytes`` (a VM or proxy dying mid-chunk). keep_partial: commit the bytes of the cut chunk that
+        arrived (as Drive may); by default they are lost, the worst case for a client."""
+        with self.lock:
+            self._cuts.append(at_bytes)
+            self.cut_keeps_partial = keep_partial
+
+    def _take_cut(self, before: int, after: int) -> bool:
+        with self.lock:
+            for at in self._cuts:
+                if before < at <= after:
+                    self._cuts.remove(at)
+                    self.faults_fired.append(("cut", "PUT", f"at byte {at}"))
+                    return True
+        return False
+
     def clear_faults(self) -> None:
         with self.lock:
             self._faults.clear()
+            self._cuts.clear()
 
     def _take_fault(self, method: str, target: str) -> Fault | None:
         with self.lock:

@@ -9,9 +9,11 @@ import io
 import socket
 import struct
 import sys
+import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlsplit
 
 from .faults import fault_reply
 from .replies import Reply
@@ -59,15 +61,22 @@ class _Handler(BaseHTTPRequestHandler):
         drive: FakeDrive = self.server.drive
         method, target = self.command, self.path
         fault = drive._take_fault(method, target)
-        if "upload_id=" in target:
+        session = (parse_qs(urlsplit(target).query).get("upload_id") or [None])[-1]
+        if session is not None:
             with drive.lock:
                 drive.upload_ranges.append(self.headers.get("Content-Range", ""))
+        if drive.latency_s:
+            drive._stop.wait(drive.latency_s)
         length = int(self.headers.get("Content-Length") or 0)
         if fault and fault.kind == "drop":
-            drive.absorb_partial(target, self.headers, self.rfile.read(length // 2))
+            partial = self.rfile.read(length // 2)
+            drive.count_upload(session, len(partial))
+            drive.absorb_partial(target, self.headers, partial)
             self._reset()
             return
-        body = self.rfile.read(length) if length else b""
+        body = self._read_body(drive, session, length)
+        if body is None:  # cut off (a cut_upload, or the client went away mid-body)
+            return
         if fault and fault.kind == "close":
             self.close_connection = True  # the server then shuts the socket down cleanly, with no reply
             return
@@ -77,6 +86,38 @@ class _Handler(BaseHTTPRequestHandler):
             if fault and fault.kind == "stall":
                 drive._stop.wait(fault.seconds)  # the change is already applied; only the answer is late
         self._write(drive, reply)
+
+    def _read_body(self, drive: FakeDrive, session: str | None, length: int) -> bytes | None:
+        """The request body, read at ``drive.bandwidth`` bytes/s (None: at once), its bytes counted per upload
+        session. None when the connection ended mid-body: an armed ``cut_upload`` reset it (the bytes that arrived
+        are kept only if it says so), or the client went away (what arrived is kept, as Drive may)."""
+        if not length:
+            return b""
+        if session is None and drive.bandwidth is None:
+            return self.rfile.read(length)
+        parts: list[bytes] = []
+        got, started = 0, time.monotonic()
+        while got < length:
+            piece = self.rfile.read(min(64 * 1024, length - got))
+            if not piece:
+                break
+            parts.append(piece)
+            got += len(piece)
+            if drive.count_upload(session, len(piece)):
+                if drive.cut_keeps_partial:
+                    drive.absorb_partial(self.path, self.headers, b"".join(parts))
+                self._reset()
+                return None
+            if drive.bandwidth:
+                ahead = got / drive.bandwidth - (time.monotonic() - started)
+                if ahead > 0 and drive._stop.wait(ahead):
+                    break
+        body = b"".join(parts)
+        if got < length:
+            drive.absorb_partial(self.path, self.headers, body)
+            self.close_connection = True
+            return None
+        return body
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _serve
 

@@ -20,6 +20,8 @@ class FakeDrive(DriveApi, FaultInjector):
     quota_bytes: total storage; uploads that would exceed it fail with 403 storageQuotaExceeded.
     token: bearer token every API call must carry (None disables the check).
     stall_seconds: how long a "stall" fault holds its answer unless ``inject`` says otherwise.
+    bandwidth: bytes/s at which request bodies are read (None: as fast as they come), to make uploads take time.
+    latency_s: added before each request is handled, like a round trip to a far server.
     """
 
     def __init__(
@@ -29,17 +31,36 @@ class FakeDrive(DriveApi, FaultInjector):
         upload_chunk_limit: int | None = None,
         quota_bytes: int | None = None,
         stall_seconds: float = 3.0,
+        bandwidth: float | None = None,
+        latency_s: float = 0.0,
     ) -> None:
         DriveApi.__init__(self, token=token, quota_bytes=quota_bytes, upload_chunk_limit=upload_chunk_limit)
         FaultInjector.__init__(self, stall_seconds)
         self.requests: list[tuple[str, str]] = []  # (method, path?query), in arrival order
         self.responses: list[tuple[str, str, int]] = []  # (method, path?query, status) of each reply written
         self.upload_ranges: list[str] = []  # Content-Range of every resumable-session PUT, e.g. "bytes */4096"
+        self.bandwidth = bandwidth
+        self.latency_s = latency_s
+        self.upload_bytes: dict[str, int] = {}  # body bytes received by each resumable upload session (id)
         self.server_errors: list[str] = []  # tracebacks of bugs in the fake itself; tests assert it stays empty
         self._connections: set[socket.socket] = set()  # open client connections, cut on stop()
         self._stop = threading.Event()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+
+    def count_upload(self, session: str | None, nbytes: int) -> bool:
+        """Count ``nbytes`` more received by an upload session; True when an armed cut_upload fires now."""
+        if session is None:
+            return False
+        with self.lock:
+            before = self.upload_bytes.get(session, 0)
+            self.upload_bytes[session] = before + nbytes
+            return self._take_cut(before, before + nbytes)
+
+    def received_upload_bytes(self) -> int:
+        """Body bytes received by all resumable upload sessions, re-sent ones included."""
+        with self.lock:
+            return sum(self.upload_bytes.values())
 
     # lifecycle
     def start(self) -> FakeDrive:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,14 @@ class Uploads(Store):
         super().__init__(quota_bytes)
         self.upload_chunk_limit = upload_chunk_limit
         self._sessions: dict[str, _UploadSession] = {}
+        self._expired: dict[str, int] = {}  # session id -> the status it answers now (404 or 410)
+        self.commits: list[tuple[float, str, str]] = []  # (time.time(), title, id) of each upload that completed
+
+    def expire_upload_sessions(self, status: int = 404) -> None:
+        """Every open resumable session expires (Drive keeps one for about a week): it answers ``status`` now."""
+        with self.lock:
+            self._expired.update(dict.fromkeys(self._sessions, status))
+            self._sessions.clear()
 
     def _upload_start(self, file_id: str | None, query: dict[str, str], headers: Any, body: bytes) -> Reply:
         if file_id is not None:
@@ -75,8 +84,14 @@ class Uploads(Store):
         return json_object(parts[0][1]), parts[1][1], parts[1][0]
 
     def _commit_upload(self, file_id: str | None, metadata: dict[str, Any], content: bytes, mime: str | None) -> Reply:
-        if file_id is None:
-            return self._insert(metadata, content, mime)
+        reply = self._replace(file_id, metadata, content, mime) if file_id else self._insert(metadata, content, mime)
+        if reply.status == 200:
+            resource = json.loads(reply.body)
+            with self.lock:
+                self.commits.append((time.time(), resource["title"], resource["id"]))
+        return reply
+
+    def _replace(self, file_id: str, metadata: dict[str, Any], content: bytes, mime: str | None) -> Reply:
         self._check_quota(len(content), replacing=file_id)
         f = self.resolve(file_id)
         parents = self._parent_ids(metadata)
@@ -96,6 +111,9 @@ class Uploads(Store):
     def _session_put(self, sid: str, headers: Any, body: bytes) -> Reply:
         with self.lock:  # one lock for the whole step: a session's bytes, total and completion change together
             session = self._sessions.get(sid)
+            if sid in self._expired:
+                raise DriveError(self._expired[sid], "notFound" if self._expired[sid] == 404 else "gone",
+                                 "Upload session expired")
             if session is None:
                 raise DriveError(404, "notFound", "Upload session not found or expired")
             if session.done_id is not None:
@@ -127,4 +145,5 @@ class Uploads(Store):
                 raise DriveError(400, "badRequest", f"received {len(session.data)} bytes, more than {session.total}")
             reply = self._commit_upload(session.file_id, session.metadata, bytes(session.data), session.mime_type)
             session.done_id = json.loads(reply.body)["id"]
+            session.data = bytearray()  # committed to the file; a status query now answers with the file
             return reply
