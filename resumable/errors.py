@@ -10,6 +10,7 @@ from typing import Any
 
 EXIT_USAGE = 2  # bad input or a run dir that cannot be used as asked; nothing was changed
 EXIT_RESUME = 75  # EX_TEMPFAIL: stopped early with the newest committed checkpoint intact; run again
+EXIT_HANG = 76  # the step watchdog found no step for --hang-timeout: stacks dumped, the last checkpoint stays valid
 EXIT_INTERRUPTED = 130  # a second Ctrl-C
 
 

@@ -7,6 +7,7 @@ chaos starts gets its faults through one variable, ``RESUMABLE_FAULTS`` (JSON), 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -24,13 +25,19 @@ multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a
     chaos must report as DIVERGED; it skips the check that the RNG streams were restored, too). ``kill_at_step``:
     SIGKILL this process right after that optimizer step, before anything is saved at its boundary (a kill at an
     exact step: e.g. the first step after a resume). ``kill_in_save_at_step``: SIGKILL it inside the save of that
-    step, after the payload is written and before the manifest commits it."""
+    step, after the payload is written and before the manifest commits it. ``hang_after_s``: once that many
+    seconds have passed since this session's first step, the training thread blocks for good after its next step
+    (a stuck collective, a frozen mount: only the step watchdog ends it). ``save_error_after_s``: the first
+    checkpoint committed that long after the first step fails with EIO instead (a disk or writer error; the run
+    goes on)."""
 
     save_delay_s: float = 0.0
     skip_rng_restore: bool = False
     shard_delay_s: float = 0.0
     kill_at_step: int | None = None
     kill_in_save_at_step: int | None = None
+    hang_after_s: float | None = None
+    save_error_after_s: float | None = None
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -54,14 +61,32 @@ multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a
             time.sleep(self.save_delay_s)
         if step is not None and step == self.kill_in_save_at_step:
             _die()
+        if _due(self.save_error_after_s, "save error"):
+            raise OSError(errno.EIO, f"Input/output error (injected: {FAULTS_ENV} save_error_after_s)")
 
     def after_step(self, step: int) -> None:
+        _CLOCK.setdefault("first step", time.monotonic())
         if step == self.kill_at_step:
             _die()
+        if _due(self.hang_after_s, "hang"):
+            while True:  # hung for good, as in a collective that never returns; the watchdog must end it
+                time.sleep(3600)
 
     def between_shards(self) -> None:
         if self.shard_delay_s > 0:
             time.sleep(self.shard_delay_s)
+
+
+_CLOCK: dict[str, float] = {}  # when this process trained its first step; which timed faults have fired
+
+
+def _due(after_s: float | None, name: str) -> bool:
+    """Whether a timed fault fires now: ``after_s`` seconds after the first step, once per process."""
+    first = _CLOCK.get("first step")
+    if after_s is None or first is None or name in _CLOCK or time.monotonic() - first < after_s:
+        return False
+    _CLOCK[name] = time.monotonic()
+    return True
 
 
 def _die() -> None:
