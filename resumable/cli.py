@@ -334,10 +334,17 @@ def _clock(unix: float | None) -> str:
                    "argument list); FILE.py (run like `python FILE.py ARGS`); or command (ARGS is a whole "
                    "command line, e.g. torchrun ...). Except for resumable-train, write {run_dir} in ARGS "
                    "where the run dir goes.")
-@click.option("--kills", type=click.IntRange(min=0), default=5, show_default=True, help="How many times to kill.")
+@click.option("--kills", type=click.IntRange(min=0), default=5, show_default=True,
+              help="How many faults to inject (most kill the session).")
+@click.option("--fault", type=click.Choice(("kill", "term", "int", "stop-cont", "hang", "segfault", "writer-error",
+                                            "mix")), default=None,
+              help="What to inject: a signal (kill, term, int; SIGKILL takes every process the run started), a "
+                   "freeze (stop-cont: SIGSTOP then SIGCONT), a hang of the training thread (the target needs a "
+                   "short --hang-timeout), a segfault, a checkpoint write failing with EIO; mix draws each time. "
+                   "Default: --signal.")
 @click.option("--signal", "signal_mode", type=click.Choice(("KILL", "TERM", "INT", "mix")), default="KILL",
-              show_default=True, help="Signal to kill with; mix picks one at random each time. SIGKILL takes "
-                                      "every process the run started too.")
+              show_default=True, help="Signal to kill with when --fault is not given; mix picks one at random "
+                                      "each time.")
 @click.option("--seed", type=click.IntRange(min=0), default=None, help="Seed of the kill timing (printed).")
 @click.option("--every", type=Duration(), default="5s", show_default=True,
               help="Mean training time of a session before its kill, counted from its first step.")
@@ -358,14 +365,14 @@ def _clock(unix: float | None) -> str:
 @click.option("--break-rng-restore", is_flag=True, hidden=True,
               help="Skip restoring RNG states on resume (proves the harness detects divergence).")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def chaos(target: str, kills: int, signal_mode: str, seed: int | None, every: str, mid_save_every: int,
-          reference: str | None, workdir: str | None, warm: bool, parallel_reference: bool, as_json: bool,
-          break_rng_restore: bool, args: tuple[str, ...]) -> None:
-    """Kill a training run (`resumable-train ARGS` unless --target says otherwise) at random moments,
-    restart it until it completes, and compare the result with an uninterrupted run: the newest valid
-    checkpoint's fingerprint and the metrics.jsonl records. Exit 0 if IDENTICAL, 1 if DIVERGED. The kills
-    chain: every --mid-save-every-th lands inside a checkpoint write, and the second lands on the very first
-    step after a resume.
+def chaos(target: str, kills: int, fault: str | None, signal_mode: str, seed: int | None, every: str,
+          mid_save_every: int, reference: str | None, workdir: str | None, warm: bool, parallel_reference: bool,
+          as_json: bool, break_rng_restore: bool, args: tuple[str, ...]) -> None:
+    """Inject faults into a training run (`resumable-train ARGS` unless --target says otherwise) at random
+    moments (kills by default), restart it until it completes, and compare the result with an uninterrupted
+    run: the newest valid checkpoint's fingerprint and the metrics.jsonl records. Exit 0 if IDENTICAL, 1 if
+    DIVERGED. With kills in the mix, every --mid-save-every-th lands inside a checkpoint write, and the second
+    lands on the very first step after a resume.
 
     \b
     Examples:
@@ -387,9 +394,10 @@ def chaos(target: str, kills: int, signal_mode: str, seed: int | None, every: st
     seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="resumable-chaos-"))
     echo = (lambda message: click.echo(message, err=True)) if as_json else click.echo
-    echo(f"chaos: {target}, seed {seed}, {kills} kill(s) with SIG{signal_mode}, {'warm' if warm else 'cold'} "
+    what = f"{kills} fault(s): {fault}" if fault else f"{kills} kill(s) with SIG{signal_mode}"
+    echo(f"chaos: {target}, seed {seed}, {what}, {'warm' if warm else 'cold'} "
          f"restarts, scratch dirs in {work}")
-    runner = Chaos(chosen, work, kills, signal_mode, seed, parse_duration(every), mid_save_every,
+    runner = Chaos(chosen, work, kills, fault or signal_mode, seed, parse_duration(every), mid_save_every,
                    Faults(skip_rng_restore=True).to_env() if break_rng_restore else None, echo=echo,
                    warm=warm, parallel_reference=parallel_reference)
     try:

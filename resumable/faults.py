@@ -7,6 +7,7 @@ chaos starts gets its faults through one variable, ``RESUMABLE_FAULTS`` (JSON), 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -27,7 +28,10 @@ multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a
     step, after the payload is written and before the manifest commits it. ``hang_at_step``: block forever right
     after that step (a hung collective or data loader, for the watchdog). ``raise_at_step``: raise RuntimeError
     right after that step, every session (a step that always fails: a crash loop). ``ignore_crash_loop``: start even
-    when the last sessions look like a crash loop (chaos kills sessions on purpose, before they commit anything)."""
+    when the last sessions look like a crash loop (chaos kills sessions on purpose, before they commit anything).
+    ``hang_after_s``: like ``hang_at_step``, once that many seconds have passed since this session's first step.
+    ``save_error_after_s``: the first checkpoint committed that long after the first step fails with EIO instead
+    (a disk or writer error; the run goes on)."""
 
     save_delay_s: float = 0.0
     skip_rng_restore: bool = False
@@ -37,6 +41,8 @@ multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a
     hang_at_step: int | None = None
     raise_at_step: int | None = None
     ignore_crash_loop: bool = False
+    hang_after_s: float | None = None
+    save_error_after_s: float | None = None
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -60,18 +66,35 @@ multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a
             time.sleep(self.save_delay_s)
         if step is not None and step == self.kill_in_save_at_step:
             _die()
+        if _due(self.save_error_after_s, "save error"):
+            raise OSError(errno.EIO, f"Input/output error (injected: {FAULTS_ENV} save_error_after_s)")
 
     def after_step(self, step: int) -> None:
+        _CLOCK.setdefault("first step", time.monotonic())
         if step == self.kill_at_step:
             _die()
         if step == self.raise_at_step:
             raise RuntimeError(f"planted failure at step {step} (Faults.raise_at_step)")
         if step == self.hang_at_step:
             _hang()
+        if _due(self.hang_after_s, "hang"):
+            _hang()
 
     def between_shards(self) -> None:
         if self.shard_delay_s > 0:
             time.sleep(self.shard_delay_s)
+
+
+_CLOCK: dict[str, float] = {}  # when this process trained its first step; which timed faults have fired
+
+
+def _due(after_s: float | None, name: str) -> bool:
+    """Whether a timed fault fires now: ``after_s`` seconds after the first step, once per process."""
+    first = _CLOCK.get("first step")
+    if after_s is None or first is None or name in _CLOCK or time.monotonic() - first < after_s:
+        return False
+    _CLOCK[name] = time.monotonic()
+    return True
 
 
 def _die() -> None:

@@ -82,7 +82,7 @@ def test_report_says_when_the_run_finished_before_all_kills() -> None:
     kills = [Kill(1, "KILL", True, 40, 38, 2, 0.2), Kill(2, "TERM", False, 80, 80, 0, 0.2)]
     report = ChaosReport("IDENTICAL", None, kills, 10.0, 9.0, "a", "a", 0, kills_planned=3)
     text = format_report(report)
-    assert "the run finished after 2 of the 3 kills asked for" in text
+    assert "the run finished after 2 of the 3 faults asked for" in text
     assert text.splitlines()[-1] == "IDENTICAL" and "goodput 90.0%" in text
     assert "finished after" not in format_report(ChaosReport("IDENTICAL", None, kills, 10.0, 9.0, kills_planned=2))
 

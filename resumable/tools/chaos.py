@@ -6,9 +6,11 @@ through the fork server possible), or any command line (`torchrun ...`, a shell 
 must train with resumable into the run dir chaos hands it (``{run_dir}`` in its arguments): chaos reads that
 dir's checkpoints and ``metrics.jsonl``, and times its kills from the engine's "training on" line.
 
-The kills chain in one run: the first (and every ``mid_save_every``-th) lands inside a checkpoint write, the
-second on the very first step after a resume (the session kills itself with SIGKILL right after that step,
-through ``Faults.kill_at_step``), the others at random moments with the chosen signals.
+The faults (tools/faultkinds.py) chain in one run. With kills in the mix (``--fault kill|term|int|mix``, or
+``--signal``), the first (and every ``mid_save_every``-th) is a SIGKILL inside a checkpoint write and the second a
+SIGKILL on the very first step after a resume (the session kills itself right after that step, through
+``Faults.kill_at_step``); the others are drawn at random moments. A fault that does not end the session
+(stop-cont, writer-error) is followed by the next one in the same session.
 """
 
 from __future__ import annotations
@@ -17,60 +19,34 @@ import itertools
 import json
 import os
 import random
+import resource
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..checkpoint import CheckpointManager, checkpoints_dir
 from ..checkpoint import format as fmt
+from ..errors import EXIT_RESUME
 from ..faults import FAULTS_ENV, Faults
 from ..reporting.metrics import read_records, without_timing
+from .chaos_report import ChaosReport, Kill, format_report, report_json
+from .faultkinds import KINDS, SAVE_ERROR_MARK, SIGNAL_KINDS, STOP_CONT_PAUSE_S, FaultKind, draw, exit_codes, pool
 from .forkserver import ForkServer
 from .targets import Target
+
+__all__ = ["Chaos", "ChaosReport", "Kill", "Target", "format_report", "report_json"]
 
 LAUNCH = [sys.executable, "-c", "import sys; from resumable.tools.forkserver import main; main(sys.argv[1:])"]
 # A marker in each session's environment, inherited by everything it starts (DataLoader workers, torchrun's
 # workers, which torchrun puts in sessions of their own): how chaos finds them all, orphans included, to
 # SIGKILL them together and to wait for them before the next start. Never read by the engine.
 SESSION_ENV = "RESUMABLE_CHAOS_SESSION"
-SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "INT": signal.SIGINT}
-
-
-@dataclass
-class Kill:
-    number: int
-    signal: str
-    mid_save: bool
-    step_at_kill: int
-    first_step: bool = False  # killed on the very first step after a resume
-    resumed_from: int | None = None
-    steps_lost: int | None = None
-    restart_to_first_step_s: float | None = None
-
-
-@dataclass
-class ChaosReport:
-    verdict: str  # IDENTICAL or DIVERGED
-    difference: str | None
-    kills: list[Kill] = field(default_factory=list)
-    chaos_wall_s: float = 0.0
-    reference_wall_s: float = 0.0
-    fingerprint: str | None = None
-    reference_fingerprint: str | None = None
-    unloadable_checkpoints: int = 0
-    kills_planned: int = 0
-
-    @property
-    def goodput(self) -> float:
-        return self.reference_wall_s / self.chaos_wall_s if self.chaos_wall_s else 0.0
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "goodput": self.goodput}
+SHORT = {"kill": "KILL", "term": "TERM", "int": "INT", "stop-cont": "STOP", "segfault": "SEGV", "hang": "HANG",
+         "writer-error": "EIO"}
 
 
 def _max_step(run_dir: Path) -> int:
@@ -132,18 +108,22 @@ def _session_pids(tag: str) -> list[int]:
     return pids
 
 
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
 def _kill_all(pids: list[int]) -> None:
     for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _signal(pid, signal.SIGKILL)
 
 
 class Chaos:
     """``target``: a :class:`Target`, or the arguments of `resumable-train`."""
 
-    def __init__(self, target: Target | Sequence[str], workdir: Path, kills: int, signal_mode: str, seed: int,
+    def __init__(self, target: Target | Sequence[str], workdir: Path, kills: int, mode: str, seed: int,
                  every_s: float, mid_save_every: int = 3, extra_env: dict[str, str] | None = None,
                  echo=print, warm: bool = False, parallel_reference: bool = False) -> None:
         self.target = target if isinstance(target, Target) else Target("resumable-train", tuple(target))
@@ -151,7 +131,9 @@ class Chaos:
             raise ValueError("--warm forks a Python process that imported torch; a command starts afresh each time")
         self.workdir = workdir
         self.kills = kills
-        self.signal_mode = signal_mode
+        self.mode = {"KILL": "kill", "TERM": "term", "INT": "int", "mix": "signals"}.get(mode, mode)  # --signal
+        if self.mode not in (*KINDS, "mix", "signals"):
+            raise ValueError(f"unknown fault {mode!r}: one of {', '.join(KINDS)}, mix")
         self.rng = random.Random(seed)
         self.every_s = every_s
         self.mid_save_every = mid_save_every
@@ -218,64 +200,126 @@ class Chaos:
         thread.start()
         return thread
 
+    def _delay(self) -> float:
+        return self.rng.uniform(0.3, 1.7) * self.every_s
+
+    def _first_fault(self, number: int) -> tuple[FaultKind | None, bool, bool]:
+        """A session's first fault: (kind, inside a save, on the first step after a resume); None: no more."""
+        if number > self.kills:
+            return None, False, False
+        kills = self.mode in ("mix", "signals", *SIGNAL_KINDS)
+        mid_save = kills and self.mid_save_every > 0 and number % self.mid_save_every == 1
+        first_step = kills and not mid_save and number == 2
+        if mid_save or first_step:
+            return KINDS["kill"], mid_save, first_step
+        return draw(self.mode, self.rng, fresh=True), False, False
+
+    def _next_fault(self, number: int) -> FaultKind | None:
+        """The fault after one that left the session running."""
+        if number > self.kills:
+            return None
+        try:
+            return draw(self.mode, self.rng, fresh=False)
+        except LookupError:
+            return None
+
     def run_interrupted(self, run_dir: Path) -> tuple[list[Kill], float]:
         kills: list[Kill] = []
         wall = 0.0
+        if "segfault" in pool(self.mode):  # a SIGSEGV must not leave core files behind
+            resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
         while True:
-            number = len(kills) + 1
-            killing = number <= self.kills
-            mid_save = killing and self.mid_save_every > 0 and number % self.mid_save_every == 1
-            # The first kill after a resume lands on the very first step that session trains: the process kills
-            # itself (SIGKILL) right after that step, before anything of it can be saved.
-            first_step = killing and not mid_save and number == 2
-            name = self.rng.choice(list(SIGNALS)) if self.signal_mode == "mix" else self.signal_mode
-            delay = self.rng.uniform(0.3, 1.7) * self.every_s
             started = time.monotonic()
-            # A mid-save session writes each checkpoint slowly, so that its kill lands between payload and
-            # manifest; the window is short enough that async saves barely slow its training.
-            faults = (Faults(save_delay_s=0.3) if mid_save else
-                      Faults(kill_at_step=_newest_step(run_dir) + 1) if first_step else None)
-            proc, tag = self._spawn(run_dir, faults.to_env() if faults is not None else {})
-            lines: list[tuple[float, str]] = []
-            reader = self._collect(proc, lines)
-            if killing and not first_step:
-                # The delay counts from the first step of this session, so kills land in training; a
-                # mid-save kill waits for the first checkpoint write that starts after the delay.
-                while proc.poll() is None and time.monotonic() - started < 600:
-                    ready = next((t for t, line in lines if "training on" in line), None)
-                    due = ready is not None and time.monotonic() >= ready + delay
-                    if due and (not mid_save or _saving(run_dir)):
-                        break
-                    time.sleep(0.005)
-                if proc.poll() is None and (mid_save or name == "KILL"):
-                    self._kill(proc, tag)
-                elif proc.poll() is None:  # TERM and INT go to the process, as from `kill` or a launcher
-                    proc.send_signal(SIGNALS[name])
-            proc.wait()
-            self._settle(tag)
-            inside_save = mid_save and _saving(run_dir)  # confirm the kill did land inside a write
-            reader.join()
-            stderr = "".join(line for _, line in lines)
+            code = self._session(run_dir, kills)
             wall += time.monotonic() - started
-            if kills:
-                # "training on …" is printed after the restore, right before the first step.
-                ready = next((t for t, line in lines if "training on" in line), None)
-                kills[-1].restart_to_first_step_s = ready - started if ready is not None else None
-                kills[-1].resumed_from = _resumed_from(stderr)
-                if kills[-1].resumed_from is not None:
-                    kills[-1].steps_lost = max(kills[-1].step_at_kill - kills[-1].resumed_from, 0)
-            if proc.returncode == 0:
+            if code == 0:
                 return kills, wall
-            if proc.returncode not in (75, -signal.SIGKILL, -signal.SIGTERM, -signal.SIGINT, 130, 1):
-                raise RuntimeError(f"training failed with exit code {proc.returncode}:\n{stderr[-2000:]}")
-            if not killing and proc.returncode not in (75,):
-                raise RuntimeError(f"training failed with exit code {proc.returncode}:\n{stderr[-2000:]}")
-            at = faults.kill_at_step if first_step else _max_step(run_dir)
-            kills.append(Kill(number, "KILL" if mid_save or first_step else name, inside_save, at,
-                              first_step=first_step))
-            self.echo(f"kill {number}: SIG{kills[-1].signal} at step {kills[-1].step_at_kill}"
-                      f"{' (inside a checkpoint write)' if inside_save else ''}"
-                      f"{' (the first step after the resume)' if first_step else ''}")
+
+    def _session(self, run_dir: Path, kills: list[Kill]) -> int:
+        """Run one session to its end, injecting its faults (appended to ``kills``); returns its exit code."""
+        number = len(kills) + 1
+        current, mid_save, first_step = self._first_fault(number)
+        delay = self._delay()
+        # A mid-save session writes each checkpoint slowly, so that its kill lands between payload and
+        # manifest; the window is short enough that async saves barely slow its training.
+        faults = (Faults(save_delay_s=0.3) if mid_save else
+                  Faults(kill_at_step=_newest_step(run_dir) + 1) if first_step else
+                  Faults(hang_after_s=delay) if current is KINDS["hang"] else
+                  Faults(save_error_after_s=delay) if current is KINDS["writer-error"] else None)
+        started = time.monotonic()
+        proc, tag = self._spawn(run_dir, faults.to_env() if faults is not None else {})
+        lines: list[tuple[float, str]] = []
+        reader = self._collect(proc, lines)
+        inside = first_step or (current is not None and current.armed)  # fires inside the session
+        ended_by = current if inside else None
+        since: float | None = None  # delays count from the first step, then from the previous fault
+        while proc.poll() is None and current is not None and not inside:
+            since = since if since is not None else next((t for t, line in lines if "training on" in line), None)
+            if since is None or time.monotonic() < since + delay or (mid_save and not _saving(run_dir)):
+                time.sleep(0.005)
+                continue
+            if not current.ends_session:  # stop-cont: freeze every process of the session, then let it go on
+                paused = self._stop_cont(proc, tag)
+                kills.append(Kill(number, "STOP", False, _max_step(run_dir), fault=current.name,
+                                  ended_session=False, paused_s=paused))
+                self.echo(f"fault {number}: SIGSTOP for {paused:.2f}s at step {kills[-1].step_at_kill}, then SIGCONT")
+                number += 1
+                current, since, delay = self._next_fault(number), time.monotonic(), self._delay()
+                continue
+            if current.signal == signal.SIGKILL:
+                self._kill(proc, tag)
+            else:  # TERM, INT and SEGV go to the process, as from `kill`, a launcher or a bad pointer
+                proc.send_signal(current.signal)
+            ended_by = current
+            break
+        while proc.poll() is None:  # until it ends: an armed fault fires inside; a writer error lets it go on
+            if current is KINDS["writer-error"] and any(SAVE_ERROR_MARK in line for _, line in lines):
+                kills.append(Kill(number, "EIO", False, _max_step(run_dir), fault=current.name, ended_session=False))
+                self.echo(f"fault {number}: a checkpoint write failed with EIO at step {kills[-1].step_at_kill}")
+                number += 1
+                current = ended_by = None  # the session goes on to its end
+            time.sleep(0.01)
+        proc.wait()
+        self._settle(tag)
+        inside_save = mid_save and _saving(run_dir)  # confirm the kill did land inside a write
+        reader.join()
+        stderr = "".join(line for _, line in lines)
+        self._note_restart(kills, started, lines, stderr)
+        code = proc.returncode
+        if code == 0 or (ended_by is None and code == EXIT_RESUME):  # done, or a session that ran out of time
+            return code
+        if ended_by is None or code not in exit_codes(ended_by):
+            raise RuntimeError(f"training failed with exit code {code}:\n{stderr[-2000:]}")
+        at = faults.kill_at_step if first_step and faults is not None else _max_step(run_dir)
+        kills.append(Kill(number, SHORT[ended_by.name], inside_save, at, first_step=first_step, fault=ended_by.name))
+        self.echo(f"fault {number}: {ended_by.name} (SIG{kills[-1].signal}) at step {at}"
+                  f"{' (inside a checkpoint write)' if inside_save else ''}"
+                  f"{' (the first step after the resume)' if first_step else ''}")
+        return code
+
+    def _stop_cont(self, proc, tag: str) -> float:
+        """SIGSTOP every process of the session (a VM frozen by its host), wait, SIGCONT them; the seconds."""
+        pids = _session_pids(tag) or [proc.pid]
+        pause = self.rng.uniform(*STOP_CONT_PAUSE_S)
+        for pid in pids:
+            _signal(pid, signal.SIGSTOP)
+        time.sleep(pause)
+        for pid in pids:
+            _signal(pid, signal.SIGCONT)
+        return pause
+
+    @staticmethod
+    def _note_restart(kills: list[Kill], started: float, lines: list[tuple[float, str]], stderr: str) -> None:
+        """Fill in how the session after a fault that ended one resumed: from which step, how fast."""
+        pending = next((k for k in reversed(kills) if k.ended_session), None)
+        if pending is None or pending.resumed_from is not None:
+            return
+        # "training on …" is printed after the restore, right before the first step.
+        ready = next((t for t, line in lines if "training on" in line), None)
+        pending.restart_to_first_step_s = ready - started if ready is not None else None
+        pending.resumed_from = _resumed_from(stderr)
+        if pending.resumed_from is not None:
+            pending.steps_lost = max(pending.step_at_kill - pending.resumed_from, 0)
 
     def _start_reference(self, run_dir: Path) -> threading.Thread:
         """Run the uninterrupted reference in a thread; its result lands in ``self._reference``."""
@@ -338,31 +382,3 @@ class Chaos:
                           f"{theirs[index] if index < len(theirs) else None}")
         return ChaosReport("IDENTICAL" if difference is None else "DIVERGED", difference, kills, chaos_wall,
                            ref_wall, fp, ref_fp, bad, self.kills)
-
-
-def format_report(report: ChaosReport) -> str:
-    lines = [f"{'kill':>4} {'signal':>7} {'step at kill':>12} {'resumed from':>12} {'steps lost':>10} "
-             f"{'restart→first step':>18}"]
-    for k in report.kills:
-        restart = f"{k.restart_to_first_step_s:.2f}s" if k.restart_to_first_step_s is not None else "-"
-        mark = "*" if k.mid_save else "^" if k.first_step else " "
-        lines.append(f"{k.number:>4} {'SIG' + k.signal:>7}{mark}{k.step_at_kill:>12} "
-                     f"{k.resumed_from if k.resumed_from is not None else '-':>12} "
-                     f"{k.steps_lost if k.steps_lost is not None else '-':>10} {restart:>18}")
-    lost = [k.steps_lost for k in report.kills if k.steps_lost is not None]
-    lines.append("(* = killed inside a checkpoint write, ^ = on the first step after a resume)")
-    if len(report.kills) < report.kills_planned:
-        lines.append(f"the run finished after {len(report.kills)} of the {report.kills_planned} kills asked for "
-                     f"(a longer run, e.g. a higher --max-steps, or a shorter --every fits them all)")
-    if report.reference_wall_s:
-        lines.append(f"goodput {100 * report.goodput:.1f}% (uninterrupted {report.reference_wall_s:.1f}s / "
-                     f"interrupted {report.chaos_wall_s:.1f}s wall)")
-    lines.append(f"lost work per kill: {sum(lost) / len(lost) if lost else 0:.1f} steps on average; "
-                 f"unloadable checkpoints: {report.unloadable_checkpoints}")
-    verdict = report.verdict if report.difference is None else f"{report.verdict}: {report.difference}"
-    lines.append(verdict)
-    return "\n".join(lines)
-
-
-def report_json(report: ChaosReport) -> str:
-    return json.dumps(report.to_json(), indent=2)

@@ -1,0 +1,76 @@
+"""The faults `resumable chaos` injects (``--fault``): what each does to a session, how resumable notices it, and
+whether the session ends with it.
+
+External faults are signals chaos sends at a random moment; armed faults are handed to the session when it
+starts (``RESUMABLE_FAULTS``, read by the engine's :class:`~resumable.faults.Faults`) and fire from inside it,
+timed from its first step: a hang of the training thread, a checkpoint write that fails with EIO.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+from dataclasses import dataclass
+
+from ..errors import EXIT_HANG, EXIT_RESUME
+
+
+@dataclass(frozen=True)
+class FaultKind:
+    name: str
+    detected: str  # how resumable, or the next start, deals with it
+    signal: signal.Signals | None = None  # sent from outside; None: armed inside the session
+    ends_session: bool = True
+
+    @property
+    def armed(self) -> bool:
+        return self.signal is None
+
+
+KINDS = {kind.name: kind for kind in (
+    FaultKind("kill", "nothing to detect: the next start resumes from the newest committed checkpoint",
+              signal.SIGKILL),
+    FaultKind("term", f"signal handler: a checkpoint at the next step boundary, exit {EXIT_RESUME}", signal.SIGTERM),
+    FaultKind("int", f"signal handler (Ctrl-C): a checkpoint at the next step boundary, exit {EXIT_RESUME}",
+              signal.SIGINT),
+    FaultKind("stop-cont", "nothing to detect: SIGCONT continues the process where SIGSTOP froze it",
+              signal.SIGSTOP, ends_session=False),
+    FaultKind("segfault", "the process dies of SIGSEGV (its stacks on stderr); the next start resumes",
+              signal.SIGSEGV),
+    FaultKind("hang", f"step watchdog: no step for --hang-timeout, stacks dumped to the run dir, exit {EXIT_HANG}"),
+    FaultKind("writer-error", "the save fails with EIO: a warning, the previous checkpoint stays the newest, the "
+              "next trigger saves again", ends_session=False),
+)}
+SIGNAL_KINDS = ("kill", "term", "int")  # what --signal mix draws from
+CHOICES = (*KINDS, "mix")
+STOP_CONT_PAUSE_S = (0.5, 2.0)  # how long a SIGSTOP lasts (uniform), short of any sane --hang-timeout
+SAVE_ERROR_MARK = "save_error_after_s)"  # in the OSError message of an injected save error (faults.py)
+
+
+def pool(mode: str) -> tuple[str, ...]:
+    """The kinds a mode draws from: one kind, ``mix`` (all), or ``signals`` (--signal mix)."""
+    if mode == "mix":
+        return tuple(KINDS)
+    if mode == "signals":
+        return SIGNAL_KINDS
+    return (mode,)
+
+
+def draw(mode: str, rng: random.Random, fresh: bool) -> FaultKind:
+    """The next fault of ``mode``. Armed faults are handed over when a session starts, so a session that goes on
+    after a fault (stop-cont, writer-error) gets only external ones afterwards (itself again for stop-cont)."""
+    names = [n for n in pool(mode) if fresh or not KINDS[n].armed]
+    if not names:
+        names = ["stop-cont"] if mode == "stop-cont" else []
+    if not names:  # writer-error alone: the session runs on to its end
+        raise LookupError(mode)
+    return KINDS[rng.choice(names)]
+
+
+def exit_codes(kind: FaultKind) -> tuple[int, ...]:
+    """The exit codes a session ended by ``kind`` may have (130: a second SIGINT during the final save)."""
+    if kind.name == "hang":
+        return (EXIT_HANG,)
+    if kind.signal in (signal.SIGTERM, signal.SIGINT):
+        return (EXIT_RESUME, -kind.signal, 130, 1)
+    return (-signal.SIGKILL, -kind.signal) if kind.signal is not None else ()
