@@ -121,9 +121,11 @@ def test_chaos_warm_restarts_a_function_target(tmp_path: Path) -> None:
 
 def test_chaos_detects_a_broken_engine_under_a_function_target(tmp_path: Path) -> None:
     # The fault reaches a user's resumable.Run through RESUMABLE_FAULTS, as it reaches resumable-train.
-    result = run(["chaos", "--kills", "2", "--seed", "4", "--every", "0.5s", "--mid-save-every", "0",
+    # A checkpoint every 2 steps and kills >= 0.3 s into a session: a resume goes through the broken restore
+    # even on a loaded machine.
+    result = run(["chaos", "--kills", "2", "--seed", "4", "--every", "1s", "--mid-save-every", "0",
                   "--break-rng-restore", "--warm", "--target", f"{OWN_MODEL}:main", "--workdir", str(tmp_path),
-                  "--", *OWN], name="resumable", timeout=300)
+                  "--", *OWN, "--checkpoint-steps", "2"], name="resumable", timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "DIVERGED" in result.stdout
 

@@ -28,6 +28,7 @@ def _chaos(mnist_dir: Path, tmp_path: Path, fault: str, kills: int, *extra: str)
     ("stop-cont", 3, False, "SIGCONT continues"),
     ("segfault", 2, True, "SIGSEGV"),
     ("writer-error", 1, False, "fails with EIO"),
+    ("hang", 1, True, "step watchdog"),
 ])
 def test_each_fault_kind_ends_identical(mnist_dir: Path, tmp_path: Path, fault: str, kills: int, ends: bool,
                                         detected: str) -> None:
@@ -37,5 +38,15 @@ def test_each_fault_kind_ends_identical(mnist_dir: Path, tmp_path: Path, fault: 
         assert k["ended_session"] is ends and detected in k["detected"]
         if fault == "stop-cont":
             assert 0.5 <= k["paused_s"] <= 2.0 and k["cost"].startswith("paused")
+        if fault == "hang":
+            assert k["signal"] == "HANG"  # the session exited 76 (any other exit code fails chaos)
         if ends:  # the next session resumed from a committed checkpoint
             assert k["resumed_from"] is not None and "step(s)" in k["cost"]
+
+
+def test_mixed_faults_end_identical(mnist_dir: Path, tmp_path: Path) -> None:
+    report = _chaos(mnist_dir, tmp_path, "mix", 6, "--max-steps", "400")
+    faults = [k["fault"] for k in report["kills"]]
+    assert len(faults) == 6 and faults[:2] == ["kill", "kill"], faults  # inside a save, then the first step
+    assert report["kills"][0]["mid_save"] and report["kills"][1]["first_step"]
+    assert len(set(faults)) >= 3, faults

@@ -45,6 +45,7 @@ LAUNCH = [sys.executable, "-c", "import sys; from resumable.tools.forkserver imp
 # workers, which torchrun puts in sessions of their own): how chaos finds them all, orphans included, to
 # SIGKILL them together and to wait for them before the next start. Never read by the engine.
 SESSION_ENV = "RESUMABLE_CHAOS_SESSION"
+HANG_TIMEOUT = "5s"  # what resumable-train gets under --fault hang|mix unless its arguments say otherwise
 SHORT = {"kill": "KILL", "term": "TERM", "int": "INT", "stop-cont": "STOP", "segfault": "SEGV", "hang": "HANG",
          "writer-error": "EIO"}
 
@@ -159,6 +160,9 @@ class Chaos:
         # with a user's --reference, whose records were written with the options as given.
         chosen = self._own_reference and not any(a.startswith("--log-every") for a in self.target.args)
         args = self.target.arguments(run_dir, chosen)
+        if (self.target.kind == "resumable-train" and "hang" in pool(self.mode)
+                and not any(a.startswith("--hang-timeout") for a in self.target.args)):
+            args = [*args, "--hang-timeout", HANG_TIMEOUT]  # else a planted hang waits out the 5 min default
         self._live.add(tag)
         if self._servers:
             return self._servers[server].spawn(args, env), tag
@@ -203,13 +207,14 @@ class Chaos:
     def _delay(self) -> float:
         return self.rng.uniform(0.3, 1.7) * self.every_s
 
-    def _first_fault(self, number: int) -> tuple[FaultKind | None, bool, bool]:
-        """A session's first fault: (kind, inside a save, on the first step after a resume); None: no more."""
+    def _first_fault(self, number: int, run_dir: Path) -> tuple[FaultKind | None, bool, bool]:
+        """A session's first fault: (kind, inside a save, on the first step after a resume); None: no more. The
+        first-step kill needs a checkpoint to resume from (else it would be one more kill of a fresh start)."""
         if number > self.kills:
             return None, False, False
         kills = self.mode in ("mix", "signals", *SIGNAL_KINDS)
         mid_save = kills and self.mid_save_every > 0 and number % self.mid_save_every == 1
-        first_step = kills and not mid_save and number == 2
+        first_step = kills and not mid_save and number == 2 and _newest_step(run_dir) > 0
         if mid_save or first_step:
             return KINDS["kill"], mid_save, first_step
         return draw(self.mode, self.rng, fresh=True), False, False
@@ -238,7 +243,7 @@ class Chaos:
     def _session(self, run_dir: Path, kills: list[Kill]) -> int:
         """Run one session to its end, injecting its faults (appended to ``kills``); returns its exit code."""
         number = len(kills) + 1
-        current, mid_save, first_step = self._first_fault(number)
+        current, mid_save, first_step = self._first_fault(number, run_dir)
         delay = self._delay()
         # A mid-save session writes each checkpoint slowly, so that its kill lands between payload and
         # manifest; the window is short enough that async saves barely slow its training.
