@@ -33,8 +33,8 @@ def test_chaos_five_kills_identical(mnist_dir: Path, tmp_path: Path) -> None:
     report = json.loads(result.stdout)
     assert report["verdict"] == "IDENTICAL" and report["difference"] is None
     assert len(report["kills"]) == 5 and report["kills"][0]["mid_save"]  # confirmed: a write was in progress
-    assert report["kills"][1]["first_step"]  # the very first step after the first resume
-    assert report["kills"][1]["step_at_kill"] == report["kills"][1]["resumed_from"] + 1
+    first = [k for k in report["kills"] if k["first_step"]]  # the 2nd, or the first after a committed checkpoint
+    assert len(first) == 1 and first[0]["step_at_kill"] == first[0]["resumed_from"] + 1, report["kills"]
     assert all(k["restart_to_first_step_s"] is not None for k in report["kills"])
     assert report["unloadable_checkpoints"] == 0
     assert report["fingerprint"] == report["reference_fingerprint"]
@@ -103,7 +103,8 @@ def test_chaos_chains_three_kills_of_an_own_model_script_with_workers_accumulati
     report = json.loads(result.stdout)
     assert report["verdict"] == "IDENTICAL" and report["difference"] is None
     # Kill 3 lands unless the machine trains 150 steps in well under a second.
-    assert 2 <= len(report["kills"]) <= 3 and report["kills"][0]["mid_save"] and report["kills"][1]["first_step"]
+    assert 2 <= len(report["kills"]) <= 3 and report["kills"][0]["mid_save"]
+    assert any(k["first_step"] for k in report["kills"]), report["kills"]
     assert report["kills"][0]["resumed_from"] is not None and report["unloadable_checkpoints"] == 0
     assert report["fingerprint"] == report["reference_fingerprint"] is not None
     assert (tmp_path / "chaos" / "checkpoints").is_dir() and (tmp_path / "reference" / "metrics.jsonl").is_file()

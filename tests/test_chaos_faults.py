@@ -47,6 +47,6 @@ def test_each_fault_kind_ends_identical(mnist_dir: Path, tmp_path: Path, fault: 
 def test_mixed_faults_end_identical(mnist_dir: Path, tmp_path: Path) -> None:
     report = _chaos(mnist_dir, tmp_path, "mix", 6, "--max-steps", "400")
     faults = [k["fault"] for k in report["kills"]]
-    assert len(faults) == 6 and faults[:2] == ["kill", "kill"], faults  # inside a save, then the first step
-    assert report["kills"][0]["mid_save"] and report["kills"][1]["first_step"]
+    assert len(faults) == 6 and faults[0] == "kill" and report["kills"][0]["mid_save"], faults  # inside a save
+    assert sum(k["first_step"] for k in report["kills"]) == 1  # and once on the first step after a resume
     assert len(set(faults)) >= 3, faults

@@ -145,6 +145,7 @@ class Chaos:
         self._servers: list[ForkServer] = []
         self._own_reference = True
         self._numbers = itertools.count(1)
+        self._first_step_done = False
         self._live: set[str] = set()  # tags of sessions that may still have processes
 
     def _spawn(self, run_dir: Path, extra: dict[str, str], server: int = 0):
@@ -209,12 +210,15 @@ class Chaos:
 
     def _first_fault(self, number: int, run_dir: Path) -> tuple[FaultKind | None, bool, bool]:
         """A session's first fault: (kind, inside a save, on the first step after a resume); None: no more. The
-        first-step kill needs a checkpoint to resume from (else it would be one more kill of a fresh start)."""
+        first-step kill comes second, or later when no checkpoint was committed yet (it needs one to resume from,
+        else it would be one more kill of a fresh start)."""
         if number > self.kills:
             return None, False, False
         kills = self.mode in ("mix", "signals", *SIGNAL_KINDS)
         mid_save = kills and self.mid_save_every > 0 and number % self.mid_save_every == 1
-        first_step = kills and not mid_save and number == 2 and _newest_step(run_dir) > 0
+        first_step = (kills and not mid_save and number >= 2 and not self._first_step_done
+                      and _newest_step(run_dir) > 0)
+        self._first_step_done |= first_step
         if mid_save or first_step:
             return KINDS["kill"], mid_save, first_step
         return draw(self.mode, self.rng, fresh=True), False, False
