@@ -20,6 +20,7 @@ acknowledged (a ``Content-Range: bytes */N`` status query).
 from __future__ import annotations
 
 import http.client
+import io
 import json
 import socket
 import struct
@@ -241,4 +242,5 @@ class _Handler(BaseHTTPRequestHandler):
         self.rfile.close()
         self.wfile.close()
         self.connection.close()
+        self.rfile, self.wfile = io.BytesIO(), io.BytesIO()  # harmless targets for the server's own teardown
         self.close_connection = True
