@@ -337,11 +337,12 @@ def _clock(unix: float | None) -> str:
 @click.option("--kills", type=click.IntRange(min=0), default=5, show_default=True,
               help="How many faults to inject (most kill the session).")
 @click.option("--fault", type=click.Choice(("kill", "term", "int", "stop-cont", "hang", "segfault", "writer-error",
-                                            "mix")), default=None,
+                                            "drive", "mix")), default=None,
               help="What to inject: a signal (kill, term, int; SIGKILL takes every process the run started), a "
                    "freeze (stop-cont: SIGSTOP then SIGCONT), a hang of the training thread (the target needs a "
-                   "short --hang-timeout), a segfault, a checkpoint write failing with EIO; mix draws each time. "
-                   "Default: --signal.")
+                   "short --hang-timeout), a segfault, a checkpoint write failing with EIO, a Drive API call "
+                   "failing (drive: 503, 429, a stalled answer, a dropped connection; needs --run-dir "
+                   "gdrive://.../{run_dir}); mix draws each time (drive only with a Drive run dir). Default: --signal.")
 @click.option("--signal", "signal_mode", type=click.Choice(("KILL", "TERM", "INT", "mix")), default="KILL",
               show_default=True, help="Signal to kill with when --fault is not given; mix picks one at random "
                                       "each time.")
@@ -379,6 +380,7 @@ def chaos(target: str, kills: int, fault: str | None, signal_mode: str, seed: in
       resumable chaos --kills 5 -- --data-dir ../shared/data/mnist-mini --max-steps 300
       resumable chaos --target scripts/own_model_example.py:main --warm -- --run-dir {run_dir} --max-steps 40
       resumable chaos --target command -- torchrun --nproc-per-node 2 train.py --run-dir {run_dir}
+      resumable chaos --fault drive --kills 8 -- --run-dir gdrive://root/chaos-test/{run_dir} --max-steps 300
     """
     from .faults import Faults
     from .tools.chaos import Chaos, Target, format_report, report_json
@@ -397,9 +399,12 @@ def chaos(target: str, kills: int, fault: str | None, signal_mode: str, seed: in
     what = f"{kills} fault(s): {fault}" if fault else f"{kills} kill(s) with SIG{signal_mode}"
     echo(f"chaos: {target}, seed {seed}, {what}, {'warm' if warm else 'cold'} "
          f"restarts, scratch dirs in {work}")
-    runner = Chaos(chosen, work, kills, fault or signal_mode, seed, parse_duration(every), mid_save_every,
-                   Faults(skip_rng_restore=True).to_env() if break_rng_restore else None, echo=echo,
-                   warm=warm, parallel_reference=parallel_reference)
+    try:
+        runner = Chaos(chosen, work, kills, fault or signal_mode, seed, parse_duration(every), mid_save_every,
+                       Faults(skip_rng_restore=True).to_env() if break_rng_restore else None, echo=echo,
+                       warm=warm, parallel_reference=parallel_reference)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
     try:
         report = runner.run(Path(reference) if reference else None)
     except RuntimeError as e:

@@ -8,15 +8,20 @@ import json
 from pathlib import Path
 
 import pytest
+from fakedrive import FakeDrive, make_drive
 from helpers import run
+
+from resumable.storage.gdrive import DriveLocation, GDriveStore
+from resumable.storage.tiered import durable_steps
+from resumable.tools.faultkinds import pool
 
 TRAIN = ["--max-steps", "200", "--batch-size", "64", "--checkpoint-steps", "10", "--log-every", "1", "--no-download"]
 
 
-def _chaos(mnist_dir: Path, tmp_path: Path, fault: str, kills: int, *extra: str) -> dict:
+def _chaos(mnist_dir: Path, tmp_path: Path, fault: str, kills: int, *extra: str, **env: str) -> dict:
     result = run(["chaos", "--fault", fault, "--kills", str(kills), "--seed", "5", "--every", "0.5s", "--warm",
                   "--workdir", str(tmp_path), "--json", "--", "--data-dir", str(mnist_dir), *TRAIN, *extra],
-                 name="resumable", timeout=600)
+                 name="resumable", timeout=600, **env)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
     assert report["verdict"] == "IDENTICAL" and report["difference"] is None, report
@@ -50,3 +55,25 @@ def test_mixed_faults_end_identical(mnist_dir: Path, tmp_path: Path) -> None:
     assert len(faults) == 6 and faults[0] == "kill" and report["kills"][0]["mid_save"], faults  # inside a save
     assert sum(k["first_step"] for k in report["kills"]) == 1  # and once on the first step after a resume
     assert len(set(faults)) >= 3, faults
+
+
+def test_drive_faults_end_identical_and_the_newest_checkpoint_is_on_drive(mnist_dir: Path, tmp_path: Path) -> None:
+    with FakeDrive() as fake:
+        env = {"RESUMABLE_DRIVE_ENDPOINT": fake.base_url, "RESUMABLE_DRIVE_TOKEN": "fake-token",
+               "RESUMABLE_DRIVE_TIMEOUT": "2", "RESUMABLE_RETRY_BASE_S": "0.05", "RESUMABLE_DRIVE_CHUNK_MIB": "0.25"}
+        report = _chaos(mnist_dir, tmp_path, "drive", 4, "--run-dir", "gdrive://root/chaos/{run_dir}",
+                        "--max-steps", "80", "--checkpoint-steps", "5", **env)
+        assert sorted(k["signal"] for k in report["kills"]) == ["429", "503", "DROP", "STALL"], report["kills"]
+        for k in report["kills"]:  # the session went on; the client retried the failed call until answered
+            assert k["fault"] == "drive" and not k["ended_session"] and "retries with backoff" in k["detected"]
+            assert k["retries"] >= 1 and k["recovered_s"] is not None, k
+        assert report["drive_fingerprint"] == report["fingerprint"] == report["reference_fingerprint"]
+        chaos_run = GDriveStore(make_drive(fake), DriveLocation.parse(f"gdrive://root/chaos/{tmp_path.name}/chaos"))
+        assert durable_steps(chaos_run, tmp_path)[-1] == 80
+        assert not fake.server_errors, fake.server_errors
+
+
+def test_drive_faults_need_a_drive_run_dir(tmp_path: Path) -> None:
+    result = run(["chaos", "--fault", "drive", "--workdir", str(tmp_path), "--", "--max-steps", "5"], name="resumable")
+    assert result.returncode == 2 and "--run-dir gdrive://root/chaos-test/{run_dir}" in result.stderr, result.stderr
+    assert "drive" not in pool("mix") and "drive" in pool("mix", drive=True)

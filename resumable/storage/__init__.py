@@ -41,9 +41,7 @@ def open_run_location(run_dir: str, cache_dir: str | None = None, credentials: s
     # pydrive2 has no HTTP timeout by default: a stalled connection would hang training's exit forever.
     timeout = timeout or float(os.environ.get("RESUMABLE_DRIVE_TIMEOUT", "60"))
     policy = policy or RetryPolicy.from_env()
-    slug = hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]
-    name = str(run_dir).rstrip("/").rsplit("/", 1)[-1] or "run"
-    local_dir = Path(cache_dir or default_cache_dir()) / f"{name}-{slug}"
+    local_dir = cache_path(run_dir, cache_dir)
     if is_drive_url(run_dir):
         from pydrive2.drive import GoogleDrive
 
@@ -58,6 +56,13 @@ def open_run_location(run_dir: str, cache_dir: str | None = None, credentials: s
     if remote is None:
         return RunLocation(Path(run_dir), None)
     return RunLocation(local_dir, remote)
+
+
+def cache_path(run_dir: str, cache_dir: str | Path | None = None) -> Path:
+    """The local cache of a remote run dir: ``--cache-dir``/<last name>-<hash of the run dir>."""
+    slug = hashlib.sha256(str(run_dir).encode()).hexdigest()[:12]
+    name = str(run_dir).rstrip("/").rsplit("/", 1)[-1] or "run"
+    return Path(cache_dir or default_cache_dir()) / f"{name}-{slug}"
 
 
 def drive_chunk_size() -> int:

@@ -33,18 +33,16 @@ from ..checkpoint import format as fmt
 from ..errors import EXIT_RESUME
 from ..faults import FAULTS_ENV, Faults
 from ..reporting.metrics import read_records, without_timing
+from .chaos_drive import DriveRuns, drive_run_dir
 from .chaos_report import ChaosReport, Kill, format_report, report_json
 from .faultkinds import KINDS, SAVE_ERROR_MARK, SIGNAL_KINDS, STOP_CONT_PAUSE_S, FaultKind, draw, exit_codes, pool
 from .forkserver import ForkServer
+from .sessions import SESSION_ENV, _kill_all, _session_pids, _signal
 from .targets import Target
 
-__all__ = ["Chaos", "ChaosReport", "Kill", "Target", "format_report", "report_json"]
+__all__ = ["SESSION_ENV", "Chaos", "ChaosReport", "Kill", "Target", "format_report", "report_json"]
 
 LAUNCH = [sys.executable, "-c", "import sys; from resumable.tools.forkserver import main; main(sys.argv[1:])"]
-# A marker in each session's environment, inherited by everything it starts (DataLoader workers, torchrun's
-# workers, which torchrun puts in sessions of their own): how chaos finds them all, orphans included, to
-# SIGKILL them together and to wait for them before the next start. Never read by the engine.
-SESSION_ENV = "RESUMABLE_CHAOS_SESSION"
 HANG_TIMEOUT = "5s"  # what resumable-train gets under --fault hang|mix unless its arguments say otherwise
 SHORT = {"kill": "KILL", "term": "TERM", "int": "INT", "stop-cont": "STOP", "segfault": "SEGV", "hang": "HANG",
          "writer-error": "EIO"}
@@ -87,40 +85,6 @@ def _resumed_from(stderr: str) -> int | None:
     return int(stderr.split(marker, 1)[1].split()[0])
 
 
-def _session_pids(tag: str) -> list[int]:
-    """Live processes of one session (its environment has ``SESSION_ENV=tag``); none where /proc is missing."""
-    needle = f"{SESSION_ENV}={tag}".encode()
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    pids = []
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            if needle not in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
-                continue
-            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):  # gone, or not ours to read
-            continue
-        if state not in ("Z", "X"):  # a zombie has exited; its parent (maybe init) reaps it
-            pids.append(int(entry))
-    return pids
-
-
-def _signal(pid: int, signum: int) -> None:
-    try:
-        os.kill(pid, signum)
-    except ProcessLookupError:
-        pass
-
-
-def _kill_all(pids: list[int]) -> None:
-    for pid in pids:
-        _signal(pid, signal.SIGKILL)
-
-
 class Chaos:
     """``target``: a :class:`Target`, or the arguments of `resumable-train`."""
 
@@ -136,6 +100,12 @@ class Chaos:
         if self.mode not in (*KINDS, "mix", "signals"):
             raise ValueError(f"unknown fault {mode!r}: one of {', '.join(KINDS)}, mix")
         self.rng = random.Random(seed)
+        on_drive = drive_run_dir(self.target, workdir / "chaos") is not None
+        if self.mode == "drive" and not on_drive:
+            raise ValueError("--fault drive fails the run's Drive API calls, and its run dir is local: write a Drive "
+                             "one in the training options, e.g. -- --run-dir gdrive://root/chaos-test/{run_dir}")
+        env = {**os.environ, **(extra_env or {})}
+        self.drive = DriveRuns(self.target, workdir, self.rng, env) if on_drive else None
         self.every_s = every_s
         self.mid_save_every = mid_save_every
         self.extra_env = extra_env or {}
@@ -161,6 +131,7 @@ class Chaos:
         # with a user's --reference, whose records were written with the options as given.
         chosen = self._own_reference and not any(a.startswith("--log-every") for a in self.target.args)
         args = self.target.arguments(run_dir, chosen)
+        args = self.drive.arguments(args) if self.drive is not None else args
         if (self.target.kind == "resumable-train" and "hang" in pool(self.mode)
                 and not any(a.startswith("--hang-timeout") for a in self.target.args)):
             args = [*args, "--hang-timeout", HANG_TIMEOUT]  # else a planted hang waits out the 5 min default
@@ -221,14 +192,14 @@ class Chaos:
         self._first_step_done |= first_step
         if mid_save or first_step:
             return KINDS["kill"], mid_save, first_step
-        return draw(self.mode, self.rng, fresh=True), False, False
+        return draw(self.mode, self.rng, fresh=True, drive=self.drive is not None), False, False
 
     def _next_fault(self, number: int) -> FaultKind | None:
         """The fault after one that left the session running."""
         if number > self.kills:
             return None
         try:
-            return draw(self.mode, self.rng, fresh=False)
+            return draw(self.mode, self.rng, fresh=False, drive=self.drive is not None)
         except LookupError:
             return None
 
@@ -244,19 +215,25 @@ class Chaos:
             if code == 0:
                 return kills, wall
 
+    def _local(self, run_dir: Path) -> Path:
+        """Where a scratch run's checkpoints and metrics are read: the run dir, or a Drive run's local cache."""
+        return self.drive.local(run_dir) if self.drive is not None else run_dir
+
     def _session(self, run_dir: Path, kills: list[Kill]) -> int:
         """Run one session to its end, injecting its faults (appended to ``kills``); returns its exit code."""
         number = len(kills) + 1
-        current, mid_save, first_step = self._first_fault(number, run_dir)
+        local = self._local(run_dir)  # the session is told run_dir; chaos reads local
+        current, mid_save, first_step = self._first_fault(number, local)
         delay = self._delay()
         # A mid-save session writes each checkpoint slowly, so that its kill lands between payload and
         # manifest; the window is short enough that async saves barely slow its training.
         faults = (Faults(save_delay_s=0.3) if mid_save else
-                  Faults(kill_at_step=_newest_step(run_dir) + 1) if first_step else
+                  Faults(kill_at_step=_newest_step(local) + 1) if first_step else
                   Faults(hang_after_s=delay) if current is KINDS["hang"] else
                   Faults(save_error_after_s=delay) if current is KINDS["writer-error"] else None)
         started = time.monotonic()
-        proc, tag = self._spawn(run_dir, faults.to_env() if faults is not None else {})
+        drive = self.drive.session_env() if self.drive is not None and "drive" in pool(self.mode, True) else {}
+        proc, tag = self._spawn(run_dir, {**(faults.to_env() if faults is not None else {}), **drive})
         lines: list[tuple[float, str]] = []
         reader = self._collect(proc, lines)
         inside = first_step or (current is not None and current.armed)  # fires inside the session
@@ -264,12 +241,22 @@ class Chaos:
         since: float | None = None  # delays count from the first step, then from the previous fault
         while proc.poll() is None and current is not None and not inside:
             since = since if since is not None else next((t for t, line in lines if "training on" in line), None)
-            if since is None or time.monotonic() < since + delay or (mid_save and not _saving(run_dir)):
+            if since is None or time.monotonic() < since + delay or (mid_save and not _saving(local)):
                 time.sleep(0.005)
+                continue
+            if current.drive:  # fail its next Drive call; it goes on
+                assert self.drive is not None
+                kill = self.drive.inject(number, lambda: proc.poll() is None, lambda: _max_step(local))
+                if kill is None:  # it ended first
+                    break
+                kills.append(kill)
+                self.echo(f"fault {number}: Drive {kill.signal} at step {kill.step_at_kill}: {kill.cost} ({kill.note})")
+                number += 1
+                current, since, delay = self._next_fault(number), time.monotonic(), self._delay()
                 continue
             if not current.ends_session:  # stop-cont: freeze every process of the session, then let it go on
                 paused = self._stop_cont(proc, tag)
-                kills.append(Kill(number, "STOP", False, _max_step(run_dir), fault=current.name,
+                kills.append(Kill(number, "STOP", False, _max_step(local), fault=current.name,
                                   ended_session=False, paused_s=paused))
                 self.echo(f"fault {number}: SIGSTOP for {paused:.2f}s at step {kills[-1].step_at_kill}, then SIGCONT")
                 number += 1
@@ -283,14 +270,14 @@ class Chaos:
             break
         while proc.poll() is None:  # until it ends: an armed fault fires inside; a writer error lets it go on
             if current is KINDS["writer-error"] and any(SAVE_ERROR_MARK in line for _, line in lines):
-                kills.append(Kill(number, "EIO", False, _max_step(run_dir), fault=current.name, ended_session=False))
+                kills.append(Kill(number, "EIO", False, _max_step(local), fault=current.name, ended_session=False))
                 self.echo(f"fault {number}: a checkpoint write failed with EIO at step {kills[-1].step_at_kill}")
                 number += 1
                 current = ended_by = None  # the session goes on to its end
             time.sleep(0.01)
         proc.wait()
         self._settle(tag)
-        inside_save = mid_save and _saving(run_dir)  # confirm the kill did land inside a write
+        inside_save = mid_save and _saving(local)  # confirm the kill did land inside a write
         reader.join()
         stderr = "".join(line for _, line in lines)
         self._note_restart(kills, started, lines, stderr)
@@ -299,7 +286,7 @@ class Chaos:
             return code
         if ended_by is None or code not in exit_codes(ended_by):
             raise RuntimeError(f"training failed with exit code {code}:\n{stderr[-2000:]}")
-        at = faults.kill_at_step if first_step and faults is not None else _max_step(run_dir)
+        at = faults.kill_at_step if first_step and faults is not None else _max_step(local)
         kills.append(Kill(number, SHORT[ended_by.name], inside_save, at, first_step=first_step, fault=ended_by.name))
         self.echo(f"fault {number}: {ended_by.name} (SIG{kills[-1].signal}) at step {at}"
                   f"{' (inside a checkpoint write)' if inside_save else ''}"
@@ -359,6 +346,8 @@ class Chaos:
             self._live.clear()
             for server in self._servers:
                 server.close()
+            if self.drive is not None:
+                self.drive.close()
             self._servers = []
 
     def _run(self, reference: Path | None) -> ChaosReport:
@@ -377,17 +366,22 @@ class Chaos:
             code, stderr, ref_wall = self._reference
             if code != 0:
                 raise RuntimeError(f"the uninterrupted reference run failed:\n{stderr[-2000:]}")
-        fp, bad = _latest(chaos_dir)
+        reference = self._local(reference) if self._own_reference else reference
+        fp, bad = _latest(self._local(chaos_dir))
         ref_fp, _ = _latest(reference)
-        mine = without_timing(read_records(chaos_dir / "metrics.jsonl"))
+        mine = without_timing(read_records(self._local(chaos_dir) / "metrics.jsonl"))
         theirs = without_timing(read_records(reference / "metrics.jsonl"))
         difference = None
+        # On Drive, the newest checkpoint must be durable there: restored into a fresh cache, it is the same one.
+        on_drive = _latest(self.drive.restore(chaos_dir, "from-drive"))[0] if self.drive is not None else None
         if fp != ref_fp:
             difference = f"final fingerprint {fp} != uninterrupted {ref_fp}"
+        elif self.drive is not None and on_drive != fp:
+            difference = f"the newest checkpoint restored from Drive has fingerprint {on_drive}, not {fp}"
         elif mine != theirs:
             index = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),
                          min(len(mine), len(theirs)))
             difference = (f"metrics record {index} differs: {mine[index] if index < len(mine) else None} != "
                           f"{theirs[index] if index < len(theirs) else None}")
         return ChaosReport("IDENTICAL" if difference is None else "DIVERGED", difference, kills, chaos_wall,
-                           ref_wall, fp, ref_fp, bad, self.kills)
+                           ref_wall, fp, ref_fp, bad, self.kills, on_drive)

@@ -25,9 +25,15 @@ class Kill:
     fault: str = "kill"
     ended_session: bool = True
     paused_s: float | None = None  # stop-cont: how long the process was frozen
+    retries: int | None = None  # drive: the client's requests to the same URL after the fault
+    recovered_s: float | None = None  # drive: from the fault to the answer of a retry
+    note: str | None = None  # drive: which call it hit and how it went on
 
     @property
     def cost(self) -> str:
+        if self.fault == "drive":
+            tries = f"{self.retries} retr{'y' if self.retries == 1 else 'ies'}"
+            return f"{tries}, {self.recovered_s:.2f}s" if self.recovered_s is not None else f"{tries}, unanswered"
         if not self.ended_session:
             return f"paused {self.paused_s:.2f}s" if self.paused_s is not None else "one save retried"
         lost = f"{self.steps_lost} step(s)" if self.steps_lost is not None else "? steps"
@@ -46,6 +52,7 @@ class ChaosReport:
     reference_fingerprint: str | None = None
     unloadable_checkpoints: int = 0
     kills_planned: int = 0
+    drive_fingerprint: str | None = None  # a Drive run dir: the newest checkpoint as restored from Drive
 
     @property
     def goodput(self) -> float:
@@ -62,10 +69,12 @@ def format_report(report: ChaosReport) -> str:
     for k in report.kills:
         restart = f"{k.restart_to_first_step_s:.2f}s" if k.restart_to_first_step_s is not None else "-"
         mark = "*" if k.mid_save else "^" if k.first_step else " "
-        name = f"SIG{k.signal}" if k.fault in ("kill", "term", "int") else k.fault
+        name = (f"SIG{k.signal}" if k.fault in ("kill", "term", "int") else
+                f"drive {k.signal.lower()}" if k.fault == "drive" else k.fault)
         lines.append(f"{k.number:>4} {name:>13}{mark}{k.step_at_kill:>5} "
                      f"{k.resumed_from if k.resumed_from is not None else '-':>12} "
-                     f"{k.steps_lost if k.steps_lost is not None else '-':>10} {restart:>18}  {k.cost}")
+                     f"{k.steps_lost if k.steps_lost is not None else '-':>10} {restart:>18}  {k.cost}"
+                     f"{f' ({k.note})' if k.note else ''}")
     lost = [k.steps_lost for k in report.kills if k.steps_lost is not None]
     lines.append("(* = killed inside a checkpoint write, ^ = on the first step after a resume)")
     for fault in dict.fromkeys(k.fault for k in report.kills):
@@ -78,6 +87,8 @@ def format_report(report: ChaosReport) -> str:
                      f"interrupted {report.chaos_wall_s:.1f}s wall)")
     lines.append(f"lost work per fault that ended a session: {sum(lost) / len(lost) if lost else 0:.1f} steps on "
                  f"average; unloadable checkpoints: {report.unloadable_checkpoints}")
+    if report.drive_fingerprint is not None:
+        lines.append(f"newest checkpoint restored from Drive: fingerprint {report.drive_fingerprint}")
     verdict = report.verdict if report.difference is None else f"{report.verdict}: {report.difference}"
     lines.append(verdict)
     return "\n".join(lines)

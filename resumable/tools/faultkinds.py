@@ -21,10 +21,11 @@ class FaultKind:
     detected: str  # how resumable, or the next start, deals with it
     signal: signal.Signals | None = None  # sent from outside; None: armed inside the session
     ends_session: bool = True
+    drive: bool = False  # injected into the session's Drive API traffic by chaos's fault proxy
 
     @property
     def armed(self) -> bool:
-        return self.signal is None
+        return self.signal is None and not self.drive
 
 
 KINDS = {kind.name: kind for kind in (
@@ -40,6 +41,9 @@ KINDS = {kind.name: kind for kind in (
     FaultKind("hang", f"step watchdog: no step for --hang-timeout, stacks dumped to the run dir, exit {EXIT_HANG}"),
     FaultKind("writer-error", "the save fails with EIO: a warning, the previous checkpoint stays the newest, the "
               "next trigger saves again", ends_session=False),
+    FaultKind("drive", "the Drive client retries with backoff and jitter (a stall after its HTTP timeout, a drop "
+              "after the reset); an upload goes on from the bytes Drive acknowledged; training never waits",
+              ends_session=False, drive=True),
 )}
 SIGNAL_KINDS = ("kill", "term", "int")  # what --signal mix draws from
 CHOICES = (*KINDS, "mix")
@@ -47,19 +51,21 @@ STOP_CONT_PAUSE_S = (0.5, 2.0)  # how long a SIGSTOP lasts (uniform), short of a
 SAVE_ERROR_MARK = "save_error_after_s)"  # in the OSError message of an injected save error (faults.py)
 
 
-def pool(mode: str) -> tuple[str, ...]:
-    """The kinds a mode draws from: one kind, ``mix`` (all), or ``signals`` (--signal mix)."""
+def pool(mode: str, drive: bool = False) -> tuple[str, ...]:
+    """The kinds a mode draws from: one kind, ``mix`` (all; drive only with a Drive run dir, ``drive``), or
+    ``signals`` (--signal mix)."""
     if mode == "mix":
-        return tuple(KINDS)
+        return tuple(n for n in KINDS if drive or not KINDS[n].drive)
     if mode == "signals":
         return SIGNAL_KINDS
     return (mode,)
 
 
-def draw(mode: str, rng: random.Random, fresh: bool) -> FaultKind:
+def draw(mode: str, rng: random.Random, fresh: bool, drive: bool = False) -> FaultKind:
     """The next fault of ``mode``. Armed faults are handed over when a session starts, so a session that goes on
-    after a fault (stop-cont, writer-error) gets only external ones afterwards (itself again for stop-cont)."""
-    names = [n for n in pool(mode) if fresh or not KINDS[n].armed]
+    after a fault (stop-cont, writer-error, drive) gets only external ones afterwards (itself again for stop-cont
+    and drive)."""
+    names = [n for n in pool(mode, drive) if fresh or not KINDS[n].armed]
     if not names:
         names = ["stop-cont"] if mode == "stop-cont" else []
     if not names:  # writer-error alone: the session runs on to its end

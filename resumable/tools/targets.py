@@ -18,7 +18,7 @@ class Target:
     """What chaos kills and restarts: ``name`` is ``resumable-train``, ``command`` (``args`` is the whole
     command line) or a Python target (``MODULE:FUNCTION``, ``FILE.py:FUNCTION``, ``FILE.py``; see
     :mod:`.forkserver`). ``{run_dir}`` in ``args`` becomes the run dir; `resumable-train` without it gets
-    ``--run-dir``.
+    ``--run-dir``; in a gdrive:// URL, ``{run_dir}`` is ``<workdir name>/<scratch run's name>``.
 
     >>> Target.parse("mypkg.train:main", ["--run-dir", "{run_dir}", "--epochs", "2"]).kind
     'python'
@@ -70,8 +70,13 @@ class Target:
 
     def arguments(self, run_dir: Path, log_every_step: bool) -> list[str]:
         """The argument list (a whole command line for ``command``) of one session in ``run_dir``."""
-        args = [a.replace(RUN_DIR, str(run_dir)) for a in self.args]
+        args = [a.replace(RUN_DIR, _drive_name(run_dir) if "gdrive://" in a else str(run_dir)) for a in self.args]
         if self.kind != "resumable-train":
             return args
         run = [] if any(RUN_DIR in a for a in self.args) else ["--run-dir", str(run_dir)]
         return [*args, *(["--log-every", "1"] if log_every_step else []), *run, "--no-progress"]
+
+
+def _drive_name(run_dir: Path) -> str:
+    """``{run_dir}`` in a gdrive:// URL: the scratch run's folder names (a Drive path has no absolute form)."""
+    return f"{run_dir.parent.name}/{run_dir.name}"
