@@ -131,7 +131,7 @@ class RunDir:
             if mode != "fresh" and not ignore_crash_loop:
                 step = chosen.latest.step if chosen.latest is not None else 0
                 older = [i.step for i in opened.manager.inspect(deep=False) if i.valid and i.step < step]
-                check_crash_loop(read_sessions(opened.local), step, older, run_dir)
+                check_crash_loop(read_sessions(opened.local, warn=False), step, older, run_dir)
             if resume_from is not None:
                 set_aside_newer(opened.manager, opened.local, resume_from)
         except OSError as e:  # a full or read-only disk at start: exit 2 with the cause, not a traceback

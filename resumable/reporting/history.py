@@ -120,11 +120,13 @@ def _sessions(records: list[dict[str, Any]]) -> list[SessionRecord]:
     return [sessions[n] for n in sorted(sessions)]
 
 
-def read_sessions(run_dir: Path) -> list[SessionRecord]:
+def read_sessions(run_dir: Path, warn: bool = True) -> list[SessionRecord]:
     """The sessions of ``run_dir``, oldest first. A torn last line from a kill is ignored; an undecodable or
-    wrong-typed line is skipped with one warning (the next session's start rewrites the file without it)."""
+    wrong-typed line is skipped with one warning (the next session's start rewrites the file without it), unless
+    ``warn`` is False: a reader right before that start, which warns itself."""
     scan = _scan(run_dir)
-    scan.warn("when the next training session starts")
+    if warn:
+        scan.warn("when the next training session starts")
     return _sessions(scan.records)
 
 
