@@ -116,6 +116,7 @@ class Chaos:
         self._own_reference = True
         self._numbers = itertools.count(1)
         self._first_step_done = False
+        self._deck: list[str] = []  # the fault kinds a mix has not drawn yet (faultkinds.draw)
         self._live: set[str] = set()  # tags of sessions that may still have processes
 
     def _spawn(self, run_dir: Path, extra: dict[str, str], server: int = 0):
@@ -192,14 +193,14 @@ class Chaos:
         self._first_step_done |= first_step
         if mid_save or first_step:
             return KINDS["kill"], mid_save, first_step
-        return draw(self.mode, self.rng, fresh=True, drive=self.drive is not None), False, False
+        return draw(self.mode, self.rng, fresh=True, drive=self.drive is not None, deck=self._deck), False, False
 
     def _next_fault(self, number: int) -> FaultKind | None:
         """The fault after one that left the session running."""
         if number > self.kills:
             return None
         try:
-            return draw(self.mode, self.rng, fresh=False, drive=self.drive is not None)
+            return draw(self.mode, self.rng, fresh=False, drive=self.drive is not None, deck=self._deck)
         except LookupError:
             return None
 

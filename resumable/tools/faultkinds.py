@@ -61,16 +61,22 @@ def pool(mode: str, drive: bool = False) -> tuple[str, ...]:
     return (mode,)
 
 
-def draw(mode: str, rng: random.Random, fresh: bool, drive: bool = False) -> FaultKind:
+def draw(mode: str, rng: random.Random, fresh: bool, drive: bool = False, deck: list[str] | None = None
+         ) -> FaultKind:
     """The next fault of ``mode``. Armed faults are handed over when a session starts, so a session that goes on
     after a fault (stop-cont, writer-error, drive) gets only external ones afterwards (itself again for stop-cont
-    and drive)."""
+    and drive). ``deck``: the kinds not drawn yet, refilled in a shuffled order when empty, so a mix goes through
+    every kind before one comes again."""
     names = [n for n in pool(mode, drive) if fresh or not KINDS[n].armed]
-    if not names:
-        names = ["stop-cont"] if mode == "stop-cont" else []
     if not names:  # writer-error alone: the session runs on to its end
         raise LookupError(mode)
-    return KINDS[rng.choice(names)]
+    if deck is None:
+        return KINDS[rng.choice(names)]
+    if not any(n in names for n in deck):
+        deck.extend(rng.sample(names, len(names)))
+    name = next(n for n in deck if n in names)
+    deck.remove(name)
+    return KINDS[name]
 
 
 def exit_codes(kind: FaultKind) -> tuple[int, ...]:
