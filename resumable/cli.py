@@ -399,8 +399,9 @@ def chaos(target: str, kills: int, fault: str | None, signal_mode: str, seed: in
     what = f"{kills} fault(s): {fault}" if fault else f"{kills} kill(s) with SIG{signal_mode}"
     echo(f"chaos: {target}, seed {seed}, {what}, {'warm' if warm else 'cold'} "
          f"restarts, scratch dirs in {work}")
+    mode = fault or {"KILL": "kill", "TERM": "term", "INT": "int", "mix": "signals"}[signal_mode]
     try:
-        runner = Chaos(chosen, work, kills, fault or signal_mode, seed, parse_duration(every), mid_save_every,
+        runner = Chaos(chosen, work, kills, mode, seed, parse_duration(every), mid_save_every,
                        Faults(skip_rng_restore=True).to_env() if break_rng_restore else None, echo=echo,
                        warm=warm, parallel_reference=parallel_reference)
     except ValueError as e:

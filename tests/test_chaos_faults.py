@@ -54,7 +54,7 @@ def test_mixed_faults_end_identical(mnist_dir: Path, tmp_path: Path) -> None:
     faults = [k["fault"] for k in report["kills"]]
     assert len(faults) == 6 and faults[0] == "kill" and report["kills"][0]["mid_save"], faults  # inside a save
     assert sum(k["first_step"] for k in report["kills"]) == 1  # and once on the first step after a resume
-    assert len(set(faults)) >= 3, faults
+    assert len(set(faults)) >= 3 and set(faults) - {"kill", "term", "int"}, faults  # not signals only
 
 
 def test_drive_faults_end_identical_and_the_newest_checkpoint_is_on_drive(mnist_dir: Path, tmp_path: Path) -> None:

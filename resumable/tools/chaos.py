@@ -96,7 +96,7 @@ class Chaos:
             raise ValueError("--warm forks a Python process that imported torch; a command starts afresh each time")
         self.workdir = workdir
         self.kills = kills
-        self.mode = {"KILL": "kill", "TERM": "term", "INT": "int", "mix": "signals"}.get(mode, mode)  # --signal
+        self.mode = {"KILL": "kill", "TERM": "term", "INT": "int"}.get(mode, mode)  # --signal's names too
         if self.mode not in (*KINDS, "mix", "signals"):
             raise ValueError(f"unknown fault {mode!r}: one of {', '.join(KINDS)}, mix")
         self.rng = random.Random(seed)
