@@ -289,7 +289,8 @@ class Chaos:
             raise RuntimeError(f"training failed with exit code {code}:\n{stderr[-2000:]}")
         at = faults.kill_at_step if first_step and faults is not None else _max_step(local)
         kills.append(Kill(number, SHORT[ended_by.name], inside_save, at, first_step=first_step, fault=ended_by.name))
-        self.echo(f"fault {number}: {ended_by.name} (SIG{kills[-1].signal}) at step {at}"
+        how = f" (SIG{kills[-1].signal})" if ended_by.signal else ""
+        self.echo(f"fault {number}: {ended_by.name}{how} at step {at}"
                   f"{' (inside a checkpoint write)' if inside_save else ''}"
                   f"{' (the first step after the resume)' if first_step else ''}")
         return code
