@@ -133,7 +133,8 @@ def _abandoned_upload(fake: FakeDrive, sessions: Path, source: Path) -> None:
     assert len(records(sessions)) == 1 and len(fake.upload_bytes) == 1
 
 
-def _started_over(fake: FakeDrive, sessions: Path, source: Path) -> None:
+def _started_over(fake: FakeDrive, sessions: Path, source: Path) -> int:
+    """Upload ``source`` again; the bytes the new session received (the old session is left alone)."""
     first = next(iter(fake.upload_bytes))
     got = store(fake, sessions).put_file("step-000000001", "state.pt", source)
     assert (got.size, got.md5) == (source.stat().st_size, md5(source))
@@ -142,6 +143,7 @@ def _started_over(fake: FakeDrive, sessions: Path, source: Path) -> None:
     (remote,) = on_drive(fake, "state.pt")
     assert remote.md5 == md5(source)
     assert records(sessions) == []
+    return fake.upload_bytes[new]
 
 
 @pytest.mark.parametrize("status", [404, 410])
@@ -149,20 +151,20 @@ def test_an_expired_session_starts_over_from_zero(fake: FakeDrive, tmp_path: Pat
     source, sessions = payload(tmp_path / "state.pt"), tmp_path / "sessions"
     _abandoned_upload(fake, sessions, source)
     fake.expire_upload_sessions(status)
-    _started_over(fake, sessions, source)
+    assert _started_over(fake, sessions, source) == source.stat().st_size  # from byte 0, sent once
 
 
 def test_a_fresh_cache_starts_over_from_zero(fake: FakeDrive, tmp_path: Path) -> None:
     source, sessions = payload(tmp_path / "state.pt"), tmp_path / "sessions"
     _abandoned_upload(fake, sessions, source)
-    _started_over(fake, tmp_path / "fresh-vm-sessions", source)
+    assert _started_over(fake, tmp_path / "fresh-vm-sessions", source) == source.stat().st_size  # from byte 0
 
 
 def test_a_changed_local_file_starts_over_from_zero(fake: FakeDrive, tmp_path: Path) -> None:
     source, sessions = payload(tmp_path / "state.pt"), tmp_path / "sessions"
     _abandoned_upload(fake, sessions, source)
     payload(tmp_path / "other", seed=b"b").replace(source)  # same name and size, other bytes
-    _started_over(fake, sessions, source)
+    assert _started_over(fake, sessions, source) == source.stat().st_size  # from byte 0, sent once
 
 
 def test_a_kept_session_of_a_completed_upload_is_not_uploaded_again(fake: FakeDrive, tmp_path: Path) -> None:
