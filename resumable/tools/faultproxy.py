@@ -182,6 +182,17 @@ class FaultProxy:
         self._stop.wait(self.stall_s)
 
 
+def reset_connection(handler: BaseHTTPRequestHandler) -> None:
+    """Close ``handler``'s connection with RST (SO_LINGER on, 0 s), as a dying NAT or proxy does. The makefile()
+    reader holds a reference to the socket, so it is closed first, or the connection would stay open."""
+    handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    handler.rfile.close()
+    handler.wfile.close()
+    handler.connection.close()
+    handler.rfile, handler.wfile = io.BytesIO(), io.BytesIO()  # harmless targets for the server's own teardown
+    handler.close_connection = True
+
+
 def error_body(kind: str) -> bytes:
     domain, reason, message = _ERRORS[kind]
     code = int(kind)
@@ -237,10 +248,4 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _reset(self) -> None:
-        """Close with RST (SO_LINGER on, 0 s), as a dying NAT or proxy does."""
-        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        self.rfile.close()
-        self.wfile.close()
-        self.connection.close()
-        self.rfile, self.wfile = io.BytesIO(), io.BytesIO()  # harmless targets for the server's own teardown
-        self.close_connection = True
+        reset_connection(self)

@@ -5,15 +5,15 @@ The handler knows HTTP and sockets; what a request means is ``FakeDrive.dispatch
 
 from __future__ import annotations
 
-import io
 import socket
-import struct
 import sys
 import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
+
+from resumable.tools.faultproxy import reset_connection
 
 from .faults import fault_reply
 from .replies import Reply
@@ -137,11 +137,4 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _reset(self) -> None:
-        # SO_LINGER(on, 0) makes close() send RST instead of FIN. The makefile() reader holds a reference to the
-        # socket, so close it first or the descriptor (and the connection) would stay open.
-        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        self.rfile.close()
-        self.wfile.close()
-        self.connection.close()
-        self.rfile, self.wfile = io.BytesIO(), io.BytesIO()  # harmless targets for the server's own teardown
-        self.close_connection = True
+        reset_connection(self)  # RST, as the shipped fault proxy sends it
