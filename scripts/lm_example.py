@@ -39,10 +39,6 @@ class ByteWindows(IterableDataset):
         self.files, self.block = files, block
         self.next_window = 0
         self.resume_at: int | None = None
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:  # called by resumable at each epoch start
-        self.epoch = epoch
 
     def state_dict(self) -> dict[str, int]:
         return {"next_window": self.next_window}
