@@ -4,6 +4,7 @@ loopback Drive server, counting the bytes the server received per upload session
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -189,6 +190,21 @@ def test_a_broken_session_record_is_ignored_with_a_warning(fake: FakeDrive, tmp_
     records(sessions)[0].write_text('{"uri": 7}')
     _started_over(fake, sessions, source)
     assert "ignoring the upload session record" in caplog.text
+
+
+def test_a_session_record_pointing_at_another_host_is_never_contacted(fake: FakeDrive, tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A planted record must not make resumable send the file (and its token) anywhere but Drive's upload host."""
+    source, sessions = payload(tmp_path / "state.pt"), tmp_path / "sessions"
+    _abandoned_upload(fake, sessions, source)
+    (record,) = records(sessions)
+    data = json.loads(record.read_text())
+    assert data["uri"].startswith("https://www.googleapis.com/upload/drive/v2/files"), data["uri"]
+    data["uri"] = data["uri"].replace("https://www.googleapis.com", "https://attacker.example")
+    record.write_text(json.dumps(data))
+    # make_drive's Http raises on any non-Google, non-loopback host, so contacting it would fail the upload.
+    _started_over(fake, sessions, source)
+    assert "its URI is not on www.googleapis.com" in caplog.text
 
 
 def test_chunk_size_must_be_a_multiple_of_256_kib(monkeypatch: pytest.MonkeyPatch) -> None:

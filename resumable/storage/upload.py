@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from .. import log
 from ..checkpoint import format as fmt
@@ -197,6 +198,14 @@ class ResumableUpload:
             for attempt in range(3):  # a session that expires under us is started again, a couple of times
                 target = record.target if record is not None else find_target()
                 request = self._request(target, media)
+                if record is not None and not _same_origin(record.uri, request.uri):
+                    # A session URI carries the upload and our token: only ever to the API's own upload host.
+                    self.records.say(f"ignoring the upload session record of {name}: its URI is not on "
+                                     f"{urlsplit(request.uri).netloc}; uploading from the start")
+                    self.records.drop(folder, name)
+                    record = None
+                    target = find_target()
+                    request = self._request(target, media)
                 try:
                     if record is not None:
                         done = self._continue(request, record, what)
@@ -240,7 +249,8 @@ class ResumableUpload:
                 return request.postproc(resp, content)
             if resp.status != 308:
                 raise HttpError(resp, content, uri=record.uri)
-            request.resumable_uri = resp.get("location", record.uri)
+            moved = resp.get("location", record.uri)
+            request.resumable_uri = moved if _same_origin(moved, record.uri) else record.uri
             # "Range: bytes=0-N" is what Drive holds; no Range header: nothing yet.
             held = resp.get("range")
             request.resumable_progress = int(held.rsplit("-", 1)[1]) + 1 if held else 0
@@ -269,6 +279,11 @@ class ResumableUpload:
             if body is not None and kept is not None:
                 self.records.drop(target.folder, target.name)
         return body
+
+
+def _same_origin(uri: str, reference: str) -> bool:
+    a, b = urlsplit(uri), urlsplit(reference)
+    return (a.scheme, a.hostname, a.port) == (b.scheme, b.hostname, b.port)
 
 
 def _status(error: BaseException) -> int | None:

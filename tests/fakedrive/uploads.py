@@ -12,6 +12,8 @@ from typing import Any
 from .replies import DriveError, Reply, json_object, json_reply
 from .store import Store
 
+GOOGLE_API = "https://www.googleapis.com"
+
 
 @dataclass
 class _UploadSession:
@@ -57,7 +59,9 @@ class Uploads(Store):
             with self.lock:
                 self._sessions[sid] = session
             path = "/upload/drive/v2/files" + (f"/{file_id}" if file_id else "")
-            return Reply(200, b"", {"Location": f"{self.base_url}{path}?uploadType=resumable&upload_id={sid}"})
+            # Real Drive answers with its own host; the client's endpoint rewriting brings it back here (through
+            # any fault proxy in between), and resumable only continues sessions on the API's upload host.
+            return Reply(200, b"", {"Location": f"{GOOGLE_API}{path}?uploadType=resumable&upload_id={sid}"})
         if upload_type == "multipart":
             metadata, content, mime = self._parse_multipart(headers.get("Content-Type", ""), body)
         elif upload_type == "media":
