@@ -45,6 +45,8 @@ def test_each_fault_kind_ends_identical(mnist_dir: Path, tmp_path: Path, fault: 
             assert 0.5 <= k["paused_s"] <= 2.0 and k["cost"].startswith("paused")
         if fault == "hang":
             assert k["signal"] == "HANG"  # the session exited 76 (any other exit code fails chaos)
+            # chaos gives resumable-train --hang-timeout 5s: the watchdog's wait is part of the cost
+            assert 5.0 <= k["detected_s"] < 30.0 and "s hung" in k["cost"], k
         if ends:  # the next session resumed from a committed checkpoint
             assert k["resumed_from"] is not None and "step(s)" in k["cost"]
 

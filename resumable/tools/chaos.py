@@ -277,6 +277,7 @@ class Chaos:
                 current = ended_by = None  # the session goes on to its end
             time.sleep(0.01)
         proc.wait()
+        ended = time.monotonic()
         self._settle(tag)
         inside_save = mid_save and _saving(local)  # confirm the kill did land inside a write
         reader.join()
@@ -289,6 +290,9 @@ class Chaos:
             raise RuntimeError(f"training failed with exit code {code}:\n{stderr[-2000:]}")
         at = faults.kill_at_step if first_step and faults is not None else _max_step(local)
         kills.append(Kill(number, SHORT[ended_by.name], inside_save, at, first_step=first_step, fault=ended_by.name))
+        if ended_by is KINDS["hang"]:  # armed to hang `delay` after the first step; the watchdog ended it
+            first = next((t for t, line in lines if "training on" in line), None)
+            kills[-1].detected_s = ended - (first + delay) if first is not None else None
         how = f" (SIG{kills[-1].signal})" if ended_by.signal else ""
         self.echo(f"fault {number}: {ended_by.name}{how} at step {at}"
                   f"{' (inside a checkpoint write)' if inside_save else ''}"

@@ -28,6 +28,7 @@ class Kill:
     retries: int | None = None  # drive: the client's requests to the same URL after the fault
     recovered_s: float | None = None  # drive: from the fault to the answer of a retry
     note: str | None = None  # drive: which call it hit and how it went on
+    detected_s: float | None = None  # hang: from the hang to the watchdog's exit
 
     @property
     def cost(self) -> str:
@@ -38,7 +39,8 @@ class Kill:
             return f"paused {self.paused_s:.2f}s" if self.paused_s is not None else "one save retried"
         lost = f"{self.steps_lost} step(s)" if self.steps_lost is not None else "? steps"
         restart = f" + {self.restart_to_first_step_s:.2f}s restart" if self.restart_to_first_step_s is not None else ""
-        return lost + restart
+        detect = f" + {self.detected_s:.2f}s hung" if self.detected_s is not None else ""
+        return lost + detect + restart
 
 
 @dataclass
