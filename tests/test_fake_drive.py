@@ -391,3 +391,35 @@ def test_stop_cuts_keep_alive_connections() -> None:
     fake.stop()
     with pytest.raises(ConnectionError):  # not answered by a lingering handler thread
         drive.GetAbout()
+
+
+def test_api_behaviour_knobs_short_pages_lag_lost_answers_corrupt_downloads(fake: FakeDrive, drive: GoogleDrive,
+                                                                           tmp_path: Path) -> None:
+    """The documented Drive behaviours the client must survive (issue #15), each switched on by a knob."""
+    folder = new_folder(drive, "run")
+    for i in range(5):
+        new_file(drive, b"x" * i, f"f{i}", folder["id"])
+    fake.max_page = 2  # short pages: one call sees 2 of 5, the rest behind nextPageToken
+    page = drive.auth.service.files().list(q=f"'{folder['id']}' in parents", maxResults=1000).execute()
+    assert len(page["items"]) == 2 and "nextPageToken" in page
+    # pydrive2's GetList() stops after one page when maxResults is given; iterating follows every token.
+    assert len(drive.ListFile({"q": f"'{folder['id']}' in parents", "maxResults": 1000}).GetList()) == 2
+    assert sum(len(p) for p in drive.ListFile({"q": f"'{folder['id']}' in parents", "maxResults": 1000})) == 5
+    fake.max_page = None
+    fake.add_file("f0", b"dup", folder["id"], modified="2099-01-01T00:00:00.000Z")  # a same-titled duplicate
+    assert titles(drive, f"'{folder['id']}' in parents and title='f0'") == ["f0", "f0"]
+    fake.list_lag_s = 60.0  # a listing does not see a file created just now; a get by id does
+    young = new_file(drive, b"young", "young", folder["id"])
+    assert "young" not in titles(drive, f"'{folder['id']}' in parents")
+    assert drive.CreateFile({"id": young["id"]}).GetContentString() == "young"
+    fake.list_lag_s = 0.0
+    fake.inject("lost", match="DELETE")  # the delete is applied, its answer lost
+    with pytest.raises(Exception):
+        drive.CreateFile({"id": young["id"]}).Delete()
+    assert young["id"] not in fake.files
+    fake.corrupt_first_download = True
+    got, f4 = tmp_path / "f4", next(f.id for f in fake.children(folder["id"]) if f.title == "f4")
+    drive.CreateFile({"id": f4}).GetContentFile(str(got))
+    assert got.read_bytes() != b"xxxx" and len(got.read_bytes()) == 4  # one byte flipped, same length
+    drive.CreateFile({"id": f4}).GetContentFile(str(got))
+    assert got.read_bytes() == b"xxxx"  # the second download is intact

@@ -6,6 +6,7 @@ Uploads are routed to ``Uploads``; everything here runs on the server's handler 
 from __future__ import annotations
 
 import re
+import time
 import traceback
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -21,6 +22,7 @@ class DriveApi(Uploads):
     token: bearer token every API call must carry (None disables the check).
     """
 
+    faults_fired: list[tuple[str, str, str]]  # shared with FaultInjector (FakeDrive is both)
     server_errors: list[str]  # tracebacks of bugs in the fake itself (the log is set up by FakeDrive)
 
     def __init__(
@@ -28,6 +30,11 @@ class DriveApi(Uploads):
     ) -> None:
         super().__init__(quota_bytes=quota_bytes, upload_chunk_limit=upload_chunk_limit)
         self.token = token
+        # Drive's documented behaviour, off by default:
+        self.max_page: int | None = None  # at most this many items per files.list page, whatever maxResults asks
+        self.list_lag_s = 0.0  # files.list omits files created less than this long ago (get by id sees them)
+        self.corrupt_first_download = False  # each file's first media download has one byte flipped
+        self._downloaded: set[str] = set()
 
     # request handling (called from handler threads)
     def dispatch(self, method: str, target: str, headers: Any, body: bytes) -> Reply:
@@ -100,9 +107,10 @@ class DriveApi(Uploads):
     def _list(self, query: dict[str, str]) -> Reply:
         clauses = parse_query(query.get("q", ""))
         with self.lock:
-            listed = [f for f in self.files.values() if f.id != self.root_id]  # the root is nobody's child
+            seen = time.monotonic() - self.list_lag_s
+            listed = [f for f in self.files.values() if f.id != self.root_id and f.born <= seen]  # root: no one's child
             matched = [self.resource(f) for f in listed if matches(f, clauses, self.resolve)]
-        max_results = max(1, min(int(query.get("maxResults") or 100), 1000))
+        max_results = max(1, min(int(query.get("maxResults") or 100), 1000, self.max_page or 1000))
         start = int(query.get("pageToken") or 0)  # page tokens are opaque to clients; an offset is enough here
         page = matched[start : start + max_results]
         result: dict[str, Any] = {"kind": "drive#fileList", "etag": '"fake"', "items": page}
@@ -117,6 +125,12 @@ class DriveApi(Uploads):
         if f.mime_type.startswith("application/vnd.google-apps."):
             raise DriveError(403, "fileNotDownloadable", "Only files with binary content can be downloaded.")
         content, total = f.content, len(f.content)
+        with self.lock:
+            first_time = f.id not in self._downloaded
+            self._downloaded.add(f.id)
+        if self.corrupt_first_download and first_time and content:  # same length, one byte flipped
+            content = bytes([content[0] ^ 0xFF]) + content[1:]
+            self.faults_fired.append(("corrupt", "GET", f.title))
         m = re.fullmatch(r"bytes=(\d+)-(\d*)", headers.get("Range") or "")
         if not m:
             return Reply(200, content, {"Content-Type": f.mime_type})

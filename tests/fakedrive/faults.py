@@ -24,7 +24,8 @@ HTML_FAULTS: dict[str, int] = {"html502": 502, "html503": 503}
 # drop: read half the body, then reset the connection (RST) -- what a dying proxy or NAT does.
 # close: read the whole body, then close cleanly (FIN) without answering -- a stale keep-alive.
 # stall: apply the request, then wait before answering, so a client with a shorter timeout gives up.
-CONNECTION_FAULTS = ("drop", "close", "stall")
+# lost: apply the request, then reset the connection: the answer is lost after the server acted.
+CONNECTION_FAULTS = ("drop", "close", "stall", "lost")
 FAULTS = (*STATUS_FAULTS, *HTML_FAULTS, *CONNECTION_FAULTS)
 
 

@@ -85,6 +85,9 @@ class _Handler(BaseHTTPRequestHandler):
             reply = drive.dispatch(method, target, self.headers, body)
             if fault and fault.kind == "stall":
                 drive._stop.wait(fault.seconds)  # the change is already applied; only the answer is late
+            if fault and fault.kind == "lost":  # the change is applied; its answer never arrives
+                self._reset()
+                return
         self._write(drive, reply)
 
     def _read_body(self, drive: FakeDrive, session: str | None, length: int) -> bytes | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -41,6 +42,7 @@ class StoredFile:
     modified: str = field(default_factory=_now)
     version: int = 1
     extra: dict[str, Any] = field(default_factory=dict)  # writable fields we only echo (description, ...)
+    born: float = field(default_factory=time.monotonic)  # when it was created, for DriveApi.list_lag_s
 
     @property
     def is_folder(self) -> bool:
@@ -79,11 +81,15 @@ class Store:
             return [f for f in self.files.values() if parent in f.parents and (include_trashed or not f.trashed)]
 
     def add_file(
-        self, title: str, content: bytes = b"", parent: str = "root", mime_type: str = "application/octet-stream"
+        self, title: str, content: bytes = b"", parent: str = "root", mime_type: str = "application/octet-stream",
+        modified: str | None = None,
     ) -> StoredFile:
-        """Seed a file directly (no HTTP)."""
+        """Seed a file directly (no HTTP); ``modified``: its modifiedDate (RFC 3339), e.g. to make a duplicate
+        title older or newer than the file a client wrote."""
         with self.lock:
             f = StoredFile(_new_id(), title, mime_type, [self.resolve(parent).id], content)
+            if modified is not None:
+                f.modified = modified
             self.files[f.id] = f
             return f
 
