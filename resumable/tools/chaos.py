@@ -240,7 +240,19 @@ class Chaos:
         inside = first_step or (current is not None and current.armed)  # fires inside the session
         ended_by = current if inside else None
         since: float | None = None  # delays count from the first step, then from the previous fault
-        while proc.poll() is None and current is not None and not inside:
+        while proc.poll() is None:
+            if current is KINDS["writer-error"]:  # armed: the session goes on after it, to the next (external) fault
+                if any(SAVE_ERROR_MARK in line for _, line in lines):
+                    kills.append(Kill(number, "EIO", False, _max_step(local), fault=current.name, ended_session=False))
+                    self.echo(f"fault {number}: a checkpoint write failed with EIO at step {kills[-1].step_at_kill}")
+                    number += 1
+                    current, since, delay = self._next_fault(number), time.monotonic(), self._delay()
+                    inside, ended_by = False, None
+                time.sleep(0.01)
+                continue
+            if current is None or inside:  # nothing more to inject, or an armed fault that fires inside
+                time.sleep(0.01)
+                continue
             since = since if since is not None else next((t for t, line in lines if "training on" in line), None)
             if since is None or time.monotonic() < since + delay or (mid_save and not _saving(local)):
                 time.sleep(0.005)
@@ -269,13 +281,6 @@ class Chaos:
                 proc.send_signal(current.signal)
             ended_by = current
             break
-        while proc.poll() is None:  # until it ends: an armed fault fires inside; a writer error lets it go on
-            if current is KINDS["writer-error"] and any(SAVE_ERROR_MARK in line for _, line in lines):
-                kills.append(Kill(number, "EIO", False, _max_step(local), fault=current.name, ended_session=False))
-                self.echo(f"fault {number}: a checkpoint write failed with EIO at step {kills[-1].step_at_kill}")
-                number += 1
-                current = ended_by = None  # the session goes on to its end
-            time.sleep(0.01)
         proc.wait()
         ended = time.monotonic()
         self._settle(tag)

@@ -66,15 +66,18 @@ def draw(mode: str, rng: random.Random, fresh: bool, drive: bool = False, deck: 
     """The next fault of ``mode``. Armed faults are handed over when a session starts, so a session that goes on
     after a fault (stop-cont, writer-error, drive) gets only external ones afterwards (itself again for stop-cont
     and drive). ``deck``: the kinds not drawn yet, refilled in a shuffled order when empty, so a mix goes through
-    every kind before one comes again."""
+    every kind before one comes again; a fresh session takes the deck's armed kinds first, since only it can take
+    them (left for last, one could wait behind a session that goes on and be skipped for a whole round)."""
     names = [n for n in pool(mode, drive) if fresh or not KINDS[n].armed]
     if not names:  # writer-error alone: the session runs on to its end
         raise LookupError(mode)
     if deck is None:
         return KINDS[rng.choice(names)]
-    if not any(n in names for n in deck):
-        deck.extend(rng.sample(names, len(names)))
-    name = next(n for n in deck if n in names)
+    if not any(n in names for n in deck):  # a new round deals every kind, armed ones too
+        every = [n for n in pool(mode, drive) if n not in deck]
+        deck.extend(rng.sample(every, len(every)))
+    eligible = [n for n in deck if n in names]
+    name = next((n for n in eligible if KINDS[n].armed), eligible[0])
     deck.remove(name)
     return KINDS[name]
 
