@@ -17,7 +17,7 @@ from resumable.checkpoint import format as fmt
 from resumable.errors import RunDirInUse
 from resumable.storage.gdrive import DriveLocation, GDriveStore
 from resumable.storage.lease import LEASE, DriveLease
-from resumable.storage.retry import RetryPolicy
+from resumable.storage.retry import RetryPolicy, TransientStorageError
 from resumable.storage.tiered import Mirror, durable_steps, restore_newest
 
 OLD, NEW = "2000-01-01T00:00:00.000Z", "2099-01-01T00:00:00.000Z"
@@ -194,3 +194,24 @@ def test_an_upload_whose_last_answer_was_lost_makes_one_file(fake: FakeDrive, tm
     files = named(fake, "state.pt")
     assert len(files) == 1 and files[0].content == source.read_bytes()
     assert got.md5 == hashlib.md5(source.read_bytes()).hexdigest()
+
+
+# -- 6: the first retry waits ------------------------------------------------------------------------------
+def test_the_first_retry_waits_at_least_the_base_and_backoff_doubles() -> None:
+    waits: list[float] = []
+    policy = RetryPolicy(attempts=8, sleep=waits.append)  # the defaults: base 1 s, at most 64 s
+    failures = iter(range(7))
+
+    def flaky() -> str:
+        if next(failures, None) is not None:
+            raise OSError("reset")
+        return "ok"
+
+    assert policy.call(flaky, lambda e: TransientStorageError(str(e)), "a test call") == "ok"
+    assert len(waits) == 7
+    assert 1.0 <= waits[0] <= 2.0  # Google: wait 1 s + jitter before the first retry, never at once
+    for k, wait in enumerate(waits):
+        ceiling = min(64.0, 2.0 ** (k + 1))
+        assert ceiling / 2 <= wait <= ceiling, (k, wait)
+    fast = RetryPolicy(base_s=0.01)  # RESUMABLE_RETRY_BASE_S=0.01 in tests: the floor scales with it
+    assert all(0.01 <= fast.delay(0) <= 0.02 for _ in range(100))
