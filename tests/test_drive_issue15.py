@@ -10,13 +10,16 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from fakedrive import FakeDrive, make_drive
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir, fingerprint
 from resumable.checkpoint import format as fmt
+from resumable.cli import main
 from resumable.errors import RunDirInUse
 from resumable.storage.gdrive import DriveLocation, GDriveStore
 from resumable.storage.lease import LEASE, DriveLease
+from resumable.storage.placement import remote_body
 from resumable.storage.retry import RetryPolicy, TransientStorageError
 from resumable.storage.tiered import Mirror, durable_steps, restore_newest
 
@@ -194,6 +197,76 @@ def test_an_upload_whose_last_answer_was_lost_makes_one_file(fake: FakeDrive, tm
     files = named(fake, "state.pt")
     assert len(files) == 1 and files[0].content == source.read_bytes()
     assert got.md5 == hashlib.md5(source.read_bytes()).hexdigest()
+
+
+# -- 5: verify and inspect a gdrive:// run dir ------------------------------------------------------------
+def _drive_cli(fake: FakeDrive, monkeypatch: pytest.MonkeyPatch, *args: str):  # noqa: ANN202 - click's Result
+    for key, value in {"RESUMABLE_DRIVE_ENDPOINT": fake.base_url, "RESUMABLE_DRIVE_TOKEN": "fake-token",
+                       "RESUMABLE_RETRY_BASE_S": "0.01", "RESUMABLE_DRIVE_TIMEOUT": "5"}.items():
+        monkeypatch.setenv(key, value)
+    return CliRunner().invoke(main, list(args))
+
+
+def _record_md5(fake: FakeDrive, manager: CheckpointManager, tmp_path: Path, step: int) -> None:
+    """Upload step's manifest with the md5 of each file (what the mirror records, see placement.remote_body)."""
+    folder = fmt.step_dir_name(step)
+    local = fmt.read_manifest(manager.root / folder)
+    md5 = {name: hashlib.md5((manager.root / folder / name).read_bytes()).hexdigest() for name in local["files"]}
+    fmt.write_json_atomic(tmp_path / "manifest.json", remote_body(local, {}, md5))
+    store(fake).put_file(folder, fmt.MANIFEST, tmp_path / "manifest.json")
+
+
+def _corrupt(fake: FakeDrive, manager: CheckpointManager, step: int) -> str:
+    """Flip one byte of step's largest payload file on Drive (same size: a size check cannot see it)."""
+    files = fmt.read_manifest(manager.root / fmt.step_dir_name(step))["files"]
+    name = max(files, key=lambda n: files[n]["size"])
+    with fake.lock:
+        f = next(f for f in fake.files.values() if f.title == name
+                 and fake.files[f.parents[0]].title == fmt.step_dir_name(step))
+        f.content = bytes([f.content[0] ^ 0xFF]) + f.content[1:]
+    return name
+
+
+def test_verify_checks_a_drive_run_dir_without_downloading(fake: FakeDrive, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    manager = mirrored_run(fake, tmp_path / "run", [1, 2])
+    _record_md5(fake, manager, tmp_path, 2)
+    result = _drive_cli(fake, monkeypatch, "verify", "gdrive://root/runs/t")
+    assert result.exit_code == 0, result.output
+    assert "step 1: ok (sizes checked" in result.output and "step 2: ok (sizes and md5 checked)" in result.output
+    with fake.lock:
+        manifests = {f.id for f in fake.files.values() if f.title == fmt.MANIFEST}
+        downloaded = {path.split("/")[4].split("?")[0] for _, path in fake.requests if "alt=media" in path}
+    assert downloaded <= manifests, "a download-free verify reads the manifests only"
+    name = _corrupt(fake, manager, 2)
+    result = _drive_cli(fake, monkeypatch, "verify", "gdrive://root/runs/t")
+    assert result.exit_code == 1 and f"step 2: INVALID: {name}" in result.output and "md5" in result.output
+    assert "resumes from step 1" in result.output
+
+
+def test_verify_deep_hashes_what_drive_holds(fake: FakeDrive, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    manager = mirrored_run(fake, tmp_path / "run", [1])
+    name = _corrupt(fake, manager, 1)
+    shallow = _drive_cli(fake, monkeypatch, "verify", "gdrive://root/runs/t")
+    assert shallow.exit_code == 0 and "sizes checked" in shallow.output  # no md5 recorded: a size check passes
+    deep = _drive_cli(fake, monkeypatch, "verify", "--deep", "gdrive://root/runs/t")
+    assert deep.exit_code == 1 and f"{name} does not match its sha256" in deep.output, deep.output
+
+
+def test_inspect_says_what_was_checked_and_deep_hashes(fake: FakeDrive, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    manager = mirrored_run(fake, tmp_path / "run", [1, 2])
+    _record_md5(fake, manager, tmp_path, 2)
+    text = _drive_cli(fake, monkeypatch, "inspect", "gdrive://root/runs/t").output
+    assert "durable on Drive (sizes and md5 checked)" in text, text
+    data = json.loads(_drive_cli(fake, monkeypatch, "inspect", "--json", "gdrive://root/runs/t").output)
+    assert [c["checked"] for c in data["checkpoints"]] == ["sizes", "sizes and md5"]
+    name = _corrupt(fake, manager, 1)
+    deep = _drive_cli(fake, monkeypatch, "inspect", "--deep", "gdrive://root/runs/t")
+    assert deep.exit_code == 0, deep.output
+    assert f"INVALID: {name} does not match its sha256" in deep.output
+    assert "durable on Drive (sizes and sha256 checked)" in deep.output and "<- latest valid" in deep.output
 
 
 # -- 6: the first retry waits ------------------------------------------------------------------------------
