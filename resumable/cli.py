@@ -219,6 +219,8 @@ def checkpoint_status(entry: dict[str, Any]) -> str:
 
     if entry["valid"]:
         status = "durable on Drive" if entry.get("durable") else "valid"
+        if entry.get("durable") and entry.get("checked"):  # say how far "durable" was checked
+            status += f" ({entry['checked']} checked)"
     elif entry.get("committed") is False:
         status = "unfinished save (no manifest; ignored, removed at the next start)"
     elif entry["reason"] == HOLDER:  # a pruned remote checkpoint whose shards newer ones use: no damage
@@ -275,11 +277,16 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.option("--drive-credentials", type=click.Path(dir_okay=False), default=None,
               help="Credentials for gdrive:// run dirs (see resumable-train --help).")
-def inspect(run_dir: str, as_json: bool, drive_credentials: str | None) -> None:
+@click.option("--deep", is_flag=True,
+              help="For a Drive run dir: download every file of each durable checkpoint and check its sha256 "
+                   "(a local run dir is always hashed).")
+def inspect(run_dir: str, as_json: bool, drive_credentials: str | None, deep: bool) -> None:
     """List the checkpoints of RUN_DIR: step, epoch, time, size, valid or why not.
 
     For a Drive run dir (gdrive:// or a mounted Drive folder) it lists what is on Drive and whether each
-    checkpoint is durable there (every file uploaded and verified, then its manifest).
+    checkpoint is durable there (every file uploaded and verified, then its manifest), and what was checked:
+    sizes, and the md5 Drive reports against the one the manifest records, without downloading; --deep
+    downloads and checks each file's sha256.
     """
     from .checkpoint import CheckpointManager, checkpoints_dir
     from .reporting.history import SESSIONS, read_sessions
@@ -290,7 +297,7 @@ def inspect(run_dir: str, as_json: bool, drive_credentials: str | None) -> None:
         location = open_run_location(run_dir, credentials=drive_credentials)
         if location.remote is not None:
             with tempfile.TemporaryDirectory() as scratch:
-                entries = describe_remote(location.remote, Path(scratch))
+                entries = describe_remote(location.remote, Path(scratch), deep=deep)
                 if SESSIONS in location.remote.list_files(""):
                     location.remote.get_file("", SESSIONS, Path(scratch) / SESSIONS)
                 sessions = read_sessions(Path(scratch))
@@ -430,13 +437,23 @@ def drive_login(client_secrets: str, token: str | None) -> None:
 
 @main.command()
 @click.argument("run_dir", type=click.Path(file_okay=False))
-def verify(run_dir: str) -> None:
+@click.option("--drive-credentials", type=click.Path(dir_okay=False), default=None,
+              help="Credentials for gdrive:// run dirs (see resumable-train --help).")
+@click.option("--deep", is_flag=True,
+              help="For a gdrive:// run dir: download every file and check its sha256 (a local run dir is "
+                   "always hashed).")
+def verify(run_dir: str, drive_credentials: str | None, deep: bool) -> None:
     """Re-hash every checkpoint of RUN_DIR; exit 1 if the newest committed one is not valid.
 
     A step folder without a manifest (a save killed half-way) is not a checkpoint: it is listed as an unfinished
-    save and not judged, since a start ignores it and removes it."""
+    save and not judged, since a start ignores it and removes it. A gdrive:// run dir is checked on Drive without
+    downloading the payload (sizes, and md5 where the manifest records it), or hashed with --deep."""
     from .checkpoint import CheckpointManager, checkpoints_dir
+    from .storage.gdrive import is_drive_url
 
+    if is_drive_url(run_dir):
+        _verify_drive(run_dir, drive_credentials, deep)
+        return
     infos = CheckpointManager(checkpoints_dir(run_dir)).inspect(deep=True)
     for info in infos:
         if not info.committed:
@@ -454,6 +471,42 @@ def verify(run_dir: str) -> None:
         then = (f"the next start resumes from step {fallback}, the newest valid one" if fallback is not None else
                 "no checkpoint is valid: start over with --fresh --overwrite, or use another --run-dir")
         click.echo(f"newest checkpoint (step {committed[-1].step}) is not valid; {then}", err=True)
+        sys.exit(1)
+
+
+def _verify_drive(run_dir: str, credentials: str | None, deep: bool) -> None:
+    """verify for a gdrive:// run dir: what a fresh machine would restore from, checked where it is."""
+    from .storage import StorageError, open_run_location
+    from .storage.durable import INCOMPLETE, describe_remote
+    from .storage.placement import HOLDER
+
+    try:
+        remote = open_run_location(run_dir, credentials=credentials).remote
+        assert remote is not None
+        with tempfile.TemporaryDirectory() as scratch:
+            entries = describe_remote(remote, Path(scratch), deep=deep)
+    except (StorageError, ValueError) as e:  # ValueError: a malformed gdrive:// URL, named with the fix
+        _fail(str(e))
+    committed = []
+    for entry in entries:
+        if entry["reason"] == INCOMPLETE:  # no manifest: never a checkpoint, ignored by a restore
+            click.echo(f"step {entry['step']}: unfinished upload (no manifest; ignored)")
+        elif entry["reason"] == HOLDER:
+            click.echo(f"step {entry['step']}: pruned: {HOLDER}")
+        else:
+            committed.append(entry)
+            if entry["valid"]:
+                more = "" if entry["checked"] != "sizes" else "; its manifest records no md5: --deep hashes each file"
+                click.echo(f"step {entry['step']}: ok ({entry['checked']} checked{more})")
+            else:
+                click.echo(f"step {entry['step']}: INVALID: {entry['reason']}")
+    if not committed:
+        _fail(f"no checkpoints on {remote.description}")
+    if not committed[-1]["valid"]:
+        fallback = next((e["step"] for e in reversed(committed) if e["valid"]), None)
+        then = (f"the next start resumes from step {fallback}, the newest valid one" if fallback is not None else
+                "no checkpoint is valid: start over with --fresh --overwrite, or use another --run-dir")
+        click.echo(f"newest checkpoint (step {committed[-1]['step']}) is not valid; {then}", err=True)
         sys.exit(1)
 
 

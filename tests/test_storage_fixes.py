@@ -59,7 +59,9 @@ def test_retry_jitter_leaves_the_global_random_stream_alone() -> None:
     assert policy.call(flaky, lambda e: TransientStorageError(str(e)), "test call") == "ok"
     assert policy.retries == 5
     assert random.getstate() == before  # training's Python RNG stream is untouched by a network fault
-    assert all(0.0 <= policy.delay(k) <= min(policy.max_s, policy.base_s * 2 ** k) for k in range(10))
+    # equal jitter (retry.RetryPolicy): between half and all of base·2^(k+1), capped
+    assert all(min(policy.max_s, policy.base_s * 2 ** (k + 1)) / 2 <= policy.delay(k)
+               <= min(policy.max_s, policy.base_s * 2 ** (k + 1)) for k in range(10))
 
 
 # -- 2: prune grace on a mount ---------------------------------------------------------------------------

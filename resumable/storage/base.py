@@ -7,7 +7,7 @@ newest checkpoint and retention work on names and manifests only and never impor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,6 +40,10 @@ def same_run(a: str | None, b: str | None) -> bool:
 class RemoteFile:
     size: int
     md5: str | None = None  # Drive reports md5Checksum; a mounted folder does not
+    # Drive only (None elsewhere), not part of equality: the file's id, to read back exactly the file written (a
+    # listing lags behind a write; a get by id does not), and its modifiedDate, to tell which copy is newer.
+    file_id: str | None = field(default=None, compare=False)
+    modified: str | None = field(default=None, compare=False)
 
 
 class RemoteStore(Protocol):

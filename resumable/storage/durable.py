@@ -2,8 +2,11 @@
 
 A remote checkpoint is durable once its manifest is there and valid (read and checked like a local one) and
 every file it lists is there with its size: in its own folder, or in the older folder the manifest places it in
-(placement.py). The remote is untrusted (anyone may write to a shared Drive folder): names from a manifest or a
-listing must be plain names, and a manifest larger than any real one is not even downloaded.
+(placement.py), and with the md5 the manifest records for it, where it records one and the remote reports one
+(Drive does; placement.remote_body writes what the upload reported). That check downloads only the manifest;
+``deep`` downloads every file and checks its sha256, as a local verify does. The remote is untrusted (anyone
+may write to a shared Drive folder): names from a manifest or a listing must be plain names, and a manifest
+larger than any real one is not even downloaded.
 """
 
 from __future__ import annotations
@@ -27,10 +30,36 @@ INCOMPLETE = "incomplete upload (no manifest yet)"
 def check_remote(remote: RemoteStore, folder: str, scratch: Path,
                  listings: Listings | None = None) -> tuple[dict | None, str | None]:
     """(manifest, None) when the remote checkpoint ``folder`` is complete: its manifest is valid (read and checked
-    like a local one, see fmt.read_manifest), every file it lists is a plain name and is present with its size,
-    in ``folder`` or in the older folder its entry places it in. Otherwise (None, why not). ``listings``: a
-    cache of folder listings shared by several calls."""
-    listings = listings or Listings(remote)
+    like a local one, see fmt.read_manifest), every file it lists is a plain name and is present with its size
+    (and md5, where both sides have one), in ``folder`` or in the older folder its entry places it in. Otherwise
+    (None, why not). ``listings``: a cache of folder listings shared by several calls."""
+    manifest, reason, _ = _check(remote, folder, scratch, listings or Listings(remote))
+    return manifest, reason
+
+
+def _check(remote: RemoteStore, folder: str, scratch: Path,
+           listings: Listings) -> tuple[dict | None, str | None, str]:
+    """check_remote, plus what was checked: "sizes and md5" when every file's md5 was compared, else "sizes"."""
+    manifest, reason = _read_listed(remote, folder, scratch, listings)
+    if manifest is None:
+        return None, reason, "sizes"
+    compared = 0
+    for name, expected in manifest["files"].items():
+        where = placement.folder_of(expected, folder)
+        found = listings.get(folder) if where == folder else listings.files(where)
+        recorded, reported = expected.get("md5"), found[name].md5
+        if isinstance(recorded, str) and reported:
+            if recorded.lower() != reported.lower():
+                there = "" if where == folder else f" in {where}"
+                return None, (f"{name}{there} does not match the md5 its manifest records (the copy on the remote "
+                              f"is corrupt)"), "sizes and md5"
+            compared += 1
+    return manifest, None, "sizes and md5" if compared == len(manifest["files"]) else "sizes"
+
+
+def _read_listed(remote: RemoteStore, folder: str, scratch: Path,
+                 listings: Listings) -> tuple[dict | None, str | None]:
+    """The size check of check_remote (the manifest read and validated, each listed file present with its size)."""
     try:
         files = listings.get(folder)
     except MissingFile:  # the folder was pruned after the checkpoint listing (inspect beside a live run)
@@ -78,15 +107,48 @@ def remote_manifest(remote: RemoteStore, folder: str, scratch: Path) -> dict | N
 def remote_entries(remote: RemoteStore, scratch: Path) -> list[tuple[int, str, dict | None, str | None]]:
     """(step, folder, manifest or None, why not) of every remote checkpoint folder, oldest first. A folder without
     a manifest that holds files of durable checkpoints is a holder (placement.py), not an unfinished upload."""
+    return [entry[:4] for entry in _entries(remote, scratch, deep=False)]
+
+
+def _entries(remote: RemoteStore, scratch: Path, deep: bool) -> list[tuple[int, str, dict | None, str | None, str]]:
+    """remote_entries, plus what was checked of each (see _check; "sizes and sha256" when ``deep``)."""
     found, listings = [], Listings(remote)
     for folder in remote.list_checkpoints():
         step = fmt.parse_step_dir(folder)
         if step is not None and paths.is_plain_name(folder):
-            found.append((step, folder, *check_remote(remote, folder, scratch, listings)))
-    held = placement.uses((folder, manifest) for _, folder, manifest, _ in found if manifest is not None)
-    found = [(step, folder, manifest, placement.HOLDER if reason == INCOMPLETE and folder in held else reason)
-             for step, folder, manifest, reason in found]
+            manifest, reason, checked = _check(remote, folder, scratch, listings)
+            if manifest is not None and deep:
+                reason, checked = hash_remote(remote, folder, manifest, scratch), "sizes and sha256"
+                manifest = manifest if reason is None else None
+            found.append((step, folder, manifest, reason, checked))
+    held = placement.uses((folder, manifest) for _, folder, manifest, _, _ in found if manifest is not None)
+    found = [(step, folder, manifest, placement.HOLDER if reason == INCOMPLETE and folder in held else reason,
+              checked) for step, folder, manifest, reason, checked in found]
     return sorted(found, key=lambda item: item[0])
+
+
+def hash_remote(remote: RemoteStore, folder: str, manifest: dict, scratch: Path) -> str | None:
+    """Download each file of a complete remote checkpoint, one at a time, and check its size and sha256 against the
+    manifest; None when all match, else why not. The only check that reads the bytes themselves."""
+    holder = Path(tempfile.mkdtemp(prefix=f".remote-hash{fmt.TMP_MARK}", dir=scratch))
+    try:
+        for name, expected in sorted(manifest["files"].items()):
+            where = placement.folder_of(expected, folder)
+            there = "" if where == folder else f" in {where}"
+            target = holder / name  # a plain name: checked by _check before
+            try:
+                remote.get_file(where, name, target)
+            except MissingFile:
+                return f"{name}{there} was deleted while it was being read"
+            size = target.stat().st_size
+            if size != expected["size"]:
+                return f"{name}{there} has {size} bytes, the manifest says {expected['size']}"
+            if fmt.sha256_file(target) != expected["sha256"]:
+                return f"{name}{there} does not match its sha256 (the copy on the remote is corrupt)"
+            target.unlink()
+    finally:
+        shutil.rmtree(holder, ignore_errors=True)
+    return None
 
 
 def remote_checkpoints(remote: RemoteStore, scratch: Path) -> list[tuple[int, str, dict | None]]:
@@ -94,11 +156,13 @@ def remote_checkpoints(remote: RemoteStore, scratch: Path) -> list[tuple[int, st
     return [(step, folder, manifest) for step, folder, manifest, _ in remote_entries(remote, scratch)]
 
 
-def describe_remote(remote: RemoteStore, scratch: Path) -> list[dict]:
-    """One entry per remote checkpoint folder, oldest first, saying whether it is durable."""
+def describe_remote(remote: RemoteStore, scratch: Path, deep: bool = False) -> list[dict]:
+    """One entry per remote checkpoint folder, oldest first, saying whether it is durable and what was checked
+    ("checked": "sizes", "sizes and md5", or with ``deep`` "sizes and sha256", which downloads every file)."""
     entries = []
-    for step, folder, manifest, reason in remote_entries(remote, scratch):
+    for step, folder, manifest, reason, checked in _entries(remote, scratch, deep):
         entries.append({"step": step, "epoch": (manifest or {}).get("epoch"), "durable": manifest is not None,
+                        "checked": checked,
                         "valid": manifest is not None, "reason": reason,
                         "fingerprint": (manifest or {}).get("fingerprint"),
                         "path": f"{remote.description}/{folder}",

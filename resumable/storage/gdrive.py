@@ -3,8 +3,10 @@
 pydrive2 itself never retries, has no HTTP timeout unless given one, creates a second file when a name
 is uploaded again, and raises a bare JSONDecodeError on a non-JSON error body. Here every call is
 retried on transient errors (403 rate limits, 429, 5xx, resets, timeouts, HTML bodies) with backoff and
-jitter; files are found by ``'<id>' in parents`` queries and overwritten by id; folders are deleted
-permanently; ``storageQuotaExceeded`` is reported, never retried.
+jitter; files are found by ``'<id>' in parents`` queries (every page) and overwritten by id; of same-titled
+copies the same one is always read and written (drivelist.py); folders are created with ids from
+``files.generateIds``, so a create retried after a lost answer finds its folder instead of making a second one;
+folders are deleted permanently; ``storageQuotaExceeded`` is reported, never retried.
 
 A Drive title is any string (``../../x``, ``a/b``), and a shared folder may be written by anyone: listings show
 only titles that are plain file names (checkpoint/paths.py; the others are skipped with one warning each), names
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import paths
+from . import drivelist
 from .base import CHECKPOINTS, RemoteFile, folder_parts
 from .retry import MissingFile, RetryPolicy, StorageError, TransientStorageError
 from .upload import DEFAULT_CHUNK, ResumableUpload, SessionRecords, Target
@@ -115,6 +118,8 @@ class GDriveStore:
         self.policy = policy or RetryPolicy()
         self.description = f"Google Drive {url or 'gdrive://' + '/'.join((location.root_id, *location.path))}"
         self._folders: dict[tuple[str, ...], str] = {}
+        self._written: dict[tuple[str, str], str] = {}  # (parent id, name) -> id of the file this store wrote
+        self._ids: list[str] = []  # ids from files.generateIds not used yet
         self.uploads = ResumableUpload(drive, self.policy, classify, SessionRecords(sessions_dir), chunk_size)
 
     # -- low level ---------------------------------------------------------------------------------
@@ -130,7 +135,14 @@ class GDriveStore:
         elif folders is False:
             clauses.append(f"mimeType!='{FOLDER_MIME}'")
         query = {"q": " and ".join(clauses), "maxResults": 1000}
-        return self._call(lambda: self.drive.ListFile(query).GetList(), f"listing {title or parent_id}")
+        # Every page: Drive may answer with fewer items than asked and a nextPageToken (pydrive2's GetList()
+        # stops after the first page when maxResults is given). A retry lists again from the first page.
+        return self._call(lambda: drivelist.every_page(self.drive, query), f"listing {title or parent_id}")
+
+    def _service(self) -> Any:
+        if self.drive.auth.service is None:
+            self.drive.auth.Authorize()
+        return self.drive.auth.service
 
     def _folder_id(self, parts: tuple[str, ...], create: bool) -> str | None:
         if not parts:
@@ -140,24 +152,45 @@ class GDriveStore:
         parent = self._folder_id(parts[:-1], create)
         if parent is None:
             return None
-        found = self._children(parent, parts[-1], folders=True)
+        found = drivelist.oldest_folder(self._children(parent, parts[-1], folders=True),
+                                        f"{'/'.join(parts[:-1]) or 'the top folder'} on {self.description}")
         if found:
-            folder_id = found[0]["id"]
+            folder_id = found["id"]
         elif create:
-            def make():
-                again = self._children(parent, parts[-1], folders=True)  # a retried create may have landed
-                if again:
-                    return again[0]["id"]
-                folder = self.drive.CreateFile({"title": parts[-1], "mimeType": FOLDER_MIME,
-                                                "parents": [{"id": parent}]})
-                folder.Upload()
-                return folder["id"]
-
-            folder_id = self._call(make, f"creating folder {'/'.join(parts)}")
+            folder_id = self._create_folder(parent, parts)
         else:
             return None
         self._folders[parts] = folder_id
         return folder_id
+
+    def _new_id(self) -> str:
+        if not self._ids:  # a few at a time: a run creates one folder per checkpoint
+            got = self._call(lambda: self._service().files().generateIds(maxResults=10, space="drive").execute(
+                http=self.uploads.http()), "reserving file ids")
+            ids = got.get("ids") if isinstance(got, dict) else None
+            if not isinstance(ids, list) or not ids or not all(isinstance(i, str) and i for i in ids):
+                raise StorageError(f"files.generateIds on {self.description} answered {got!r}, not a list of ids")
+            self._ids.extend(ids)
+        return self._ids.pop()
+
+    def _create_folder(self, parent: str, parts: tuple[str, ...]) -> str:
+        """Create a folder with an id chosen beforehand. When the answer to the create is lost, the retry sends
+        the same id: Drive answers 409 for an id that exists, which means the first try landed. Listing again to
+        find it would not do: a listing lags behind a create, so the retry would make a second folder."""
+        from googleapiclient.errors import HttpError
+
+        new_id = self._new_id()
+        body = {"id": new_id, "title": parts[-1], "mimeType": FOLDER_MIME, "parents": [{"id": parent}]}
+
+        def make() -> str:
+            try:
+                return self._service().files().insert(body=body).execute(http=self.uploads.http())["id"]
+            except HttpError as e:
+                if int(e.resp.status) == 409:  # this id exists: our earlier try created it
+                    return new_id
+                raise
+
+        return self._call(make, f"creating folder {'/'.join(parts)}")
 
     def _parts(self, folder: str) -> tuple[str, ...]:
         return self.location.path + folder_parts(folder)
@@ -179,7 +212,7 @@ class GDriveStore:
             self._folders.pop(self._parts(folder), None)
             raise
         files: dict[str, RemoteFile] = {}
-        for item in sorted(children, key=lambda f: str(f.get("modifiedDate", ""))):
+        for item in sorted(children, key=drivelist.newest_key):  # of same-titled copies the newest, as get_file
             if not self._plain_title(item, folder or "the run folder"):
                 continue
             try:
@@ -189,7 +222,7 @@ class GDriveStore:
                 paths.warn_once(f"drive-size:{item.get('id')}", f"skipping {item['title']!r} in {where} on "
                                 f"{self.description}: its fileSize {item.get('fileSize')!r} is not a number")
                 continue
-            files[item["title"]] = RemoteFile(size, item.get("md5Checksum"))
+            files[item["title"]] = RemoteFile(size, item.get("md5Checksum"), item.get("id"), item.get("modifiedDate"))
         return files
 
     def _plain_title(self, item: Any, where: str) -> bool:
@@ -204,21 +237,56 @@ class GDriveStore:
         self._check_names(folder, name)
         parent = self._folder_id(self._parts(folder), create=True)
 
+        listed: list[Any] = []
+
         def find_target() -> Target:
-            existing = self._children(parent, name, folders=False)
-            return Target(folder, name, parent, existing[0]["id"] if existing else None)
+            listed[:] = self._children(parent, name, folders=False)
+            chosen = drivelist.newest(listed)
+            ours = self._written.get((parent, name))
+            if ours is not None and ours not in {item["id"] for item in listed}:
+                return Target(folder, name, parent, ours)  # written by us moments ago, not listed yet (lag)
+            return Target(folder, name, parent, chosen["id"] if chosen else None)
 
         what = f"uploading {folder + '/' if folder else ''}{name} to {self.description}"
         try:
             resource = self.uploads.upload(source, folder, name, parent, find_target, what)
         except MissingFile:  # the file it was replacing was deleted meanwhile: upload it as a new file
+            self._written.pop((parent, name), None)
             resource = self.uploads.upload(source, folder, name, parent, lambda: Target(folder, name, parent, None),
                                            what)
-        if "md5Checksum" not in resource or "fileSize" not in resource:
+        if any(key not in resource for key in ("md5Checksum", "fileSize", "modifiedDate")):
             file_id = resource["id"]
-            resource = self._call(lambda: self.drive.auth.service.files().get(
-                fileId=file_id, fields="fileSize,md5Checksum").execute(http=self.uploads.http()), f"checking {name}")
-        return RemoteFile(int(resource["fileSize"]), resource["md5Checksum"])
+            resource = self._call(lambda: self._service().files().get(
+                fileId=file_id, fields="id,fileSize,md5Checksum,modifiedDate").execute(http=self.uploads.http()),
+                f"checking {name}")
+        self._written[(parent, name)] = resource["id"]
+        self._drop_older_copies(name, resource, listed)
+        return RemoteFile(int(resource["fileSize"]), resource["md5Checksum"], resource["id"],
+                          resource.get("modifiedDate"))
+
+    def _drop_older_copies(self, name: str, written: Any, listed: list[Any]) -> None:
+        """Delete the same-titled copies older than the file just written: only the writer writes a run folder,
+        so they are leftovers (a lost create's twin, a stale copy) that a reader could otherwise pick. A newer
+        copy is left alone: it was written after ours, by someone else (a racing lease), and is theirs to keep."""
+        for item in listed:
+            if item["id"] != written["id"] and drivelist.newest_key(item) < drivelist.newest_key(written):
+                try:
+                    self._call(lambda i=item: self.drive.CreateFile({"id": i["id"]}).Delete(),
+                               f"deleting an older copy of {name}")
+                except MissingFile:  # deleted already (a retry whose answer was lost, or by someone else)
+                    pass
+
+    def read_by_id(self, file_id: str, target: Path) -> RemoteFile:
+        """Download the file ``file_id`` (as returned by put_file) and return its metadata. By id, not by a
+        listing: Drive answers a get by id at once, while a listing may not show a new file for a while.
+        Raises MissingFile when it was deleted (or trashed)."""
+        meta = self._call(lambda: self._service().files().get(
+            fileId=file_id, fields="id,fileSize,md5Checksum,modifiedDate,labels").execute(http=self.uploads.http()),
+            "reading a file by id")
+        if (meta.get("labels") or {}).get("trashed"):
+            raise MissingFile(f"the file {file_id} on {self.description} is in the trash")
+        self._call(lambda: self.drive.CreateFile({"id": file_id}).GetContentFile(str(target)), "downloading by id")
+        return RemoteFile(int(meta.get("fileSize") or 0), meta.get("md5Checksum"), file_id, meta.get("modifiedDate"))
 
     def get_file(self, folder: str, name: str, target: Path) -> None:
         self._check_names(folder, name)
@@ -226,7 +294,7 @@ class GDriveStore:
         found = self._children(parent, name, folders=False) if parent else []
         if not found:
             raise MissingFile(f"{name} is not in {folder or 'the run folder'} on {self.description}")
-        file_id = found[-1]["id"]
+        file_id = drivelist.newest(found)["id"]  # the copy list_files reports and put_file updates
         self._call(lambda: self.drive.CreateFile({"id": file_id}).GetContentFile(str(target)),
                    f"downloading {name}")
 
@@ -255,10 +323,20 @@ class GDriveStore:
         parent = self._folder_id(self._parts(folder), create=False)
         if parent is None:
             return
-        children = self._children(parent, folders=False)
+        try:
+            children = self._children(parent, folders=False)
+        except MissingFile:  # the folder was deleted since its id was cached
+            children = []
         # Manifest first, so a half-deleted folder is never a checkpoint; Delete() skips the trash,
-        # so rotating checkpoints never fills the quota.
+        # so rotating checkpoints never fills the quota. A 404 is success: the delete was retried after its
+        # answer was lost (or someone else deleted it), and what was asked for is done.
         for item in sorted(children, key=lambda f: f["title"] != "manifest.json"):
-            self._call(lambda i=item: self.drive.CreateFile({"id": i["id"]}).Delete(), f"deleting {item['title']}")
-        self._call(lambda: self.drive.CreateFile({"id": parent}).Delete(), f"deleting folder {folder}")
+            try:
+                self._call(lambda i=item: self.drive.CreateFile({"id": i["id"]}).Delete(), f"deleting {item['title']}")
+            except MissingFile:
+                pass
+        try:
+            self._call(lambda: self.drive.CreateFile({"id": parent}).Delete(), f"deleting folder {folder}")
+        except MissingFile:
+            pass
         self._folders.pop(self._parts(folder), None)

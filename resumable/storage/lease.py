@@ -1,7 +1,11 @@
 """The run-dir lock for Drive run dirs: a lease file on the remote, renewed by a heartbeat.
 
 Drive has no atomic create, so the lease is written and read back after a short pause; a second writer
-that raced us is seen then. Two machines training one Drive run dir is the case this guards against
+that raced us is seen then. It is read back by its file id: a get by id sees our write at once, while a listing
+may not show a new file for seconds to minutes, and a file we cannot list yet must never read as "someone else
+holds the run dir". What refuses is another owner's live record that is actually seen: the file we wrote,
+overwritten by them, or a newer copy of the lease listed beside ours (of same-titled copies the newest is the
+lease, drivelist.py). Two machines training one Drive run dir is the case this guards against
 (a notebook re-run on a new VM while the old VM still lives). Anyone who can write to the folder can write
 the lease, so it is parsed like the local lock record (engine/lock.py): an invalid one is unreadable, and an
 unreadable lease is taken over like a stale one.
@@ -20,7 +24,8 @@ from pathlib import Path
 
 from ..engine.lock import LockRecord, Owner, in_use_message, lock_record, read_record_file, stale_reason
 from ..errors import RunDirInUse
-from .base import RemoteStore
+from .base import RemoteFile, RemoteStore
+from .drivelist import newest_key
 from .retry import MissingFile, StorageError
 
 LEASE = "lease.json"
@@ -38,6 +43,7 @@ class DriveLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost: str | None = None  # set when another machine took the lease over
+        self._file_id: str | None = None  # the lease file we wrote, when the store reports ids (Drive)
 
     def _read(self) -> Owner | None:
         """The lease on Drive: None when there is none, :class:`Unreadable` when it is not a valid record."""
@@ -49,11 +55,43 @@ class DriveLease:
                 return None
             return read_record_file(target)
 
-    def _write(self, record: LockRecord) -> None:
+    def _write(self, record: LockRecord) -> RemoteFile:
         with tempfile.TemporaryDirectory() as scratch:
             source = Path(scratch) / LEASE
             source.write_text(json.dumps(record.to_json()), encoding="utf-8")
-            self.remote.put_file("", LEASE, source)
+            written = self.remote.put_file("", LEASE, source)
+        self._file_id = written.file_id
+        return written
+
+    def _read_ours(self) -> tuple[Owner | None, RemoteFile | None]:
+        """The record in the file we wrote, read by id, and its metadata; (None, None) when it is gone."""
+        read_by_id = getattr(self.remote, "read_by_id", None)
+        assert read_by_id is not None and self._file_id is not None
+        with tempfile.TemporaryDirectory() as scratch:
+            target = Path(scratch) / LEASE
+            try:
+                meta = read_by_id(self._file_id, target)
+            except MissingFile:  # deleted by a racing writer whose copy is newer
+                return None, None
+            return read_record_file(target), meta
+
+    def _by_id(self) -> bool:
+        return self._file_id is not None and hasattr(self.remote, "read_by_id") and hasattr(self.remote, "list_files")
+
+    def _contender(self, ours: RemoteFile) -> Owner | None:
+        """Another owner's live record listed as a newer copy of the lease than ours; None when there is none (a
+        listing that does not show ours yet, or shows nothing at all, is no contender)."""
+        listed = self.remote.list_files("").get(LEASE)
+        if listed is None or listed.file_id in (None, self._file_id):
+            return None
+        if newest_key({"modifiedDate": listed.modified, "id": listed.file_id}) <= \
+                newest_key({"modifiedDate": ours.modified, "id": ours.file_id}):
+            return None
+        owner = self._read()
+        if isinstance(owner, LockRecord) and not self._ours(owner) and stale_reason(
+                owner, self.host, self.stale_after_s) is None:
+            return owner
+        return None
 
     def _ours(self, owner: Owner | None) -> bool:
         return isinstance(owner, LockRecord) and owner.token == self.token
@@ -68,9 +106,18 @@ class DriveLease:
                 raise RunDirInUse(in_use_message(self.remote.description, owner))
         self._write(lock_record(self.token, self.host))
         time.sleep(self.settle_s)
-        now = self._read()
-        if not self._ours(now):
-            raise RunDirInUse(in_use_message(self.remote.description, now))
+        if self._by_id():
+            mine, meta = self._read_ours()
+            if not self._ours(mine):  # overwritten by another owner, or deleted because theirs is newer
+                raise RunDirInUse(in_use_message(self.remote.description, mine if mine is not None else self._read()))
+            assert meta is not None
+            contender = self._contender(meta)
+            if contender is not None:
+                raise RunDirInUse(in_use_message(self.remote.description, contender))
+        else:  # a store without file ids (a mounted folder is strongly consistent): read the file back by name
+            now = self._read()
+            if not self._ours(now):
+                raise RunDirInUse(in_use_message(self.remote.description, now))
         self._thread = threading.Thread(target=self._beat, name="resumable-lease", daemon=True)
         self._thread.start()
         if isinstance(owner, LockRecord) and owner.released:
@@ -83,8 +130,8 @@ class DriveLease:
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
-                owner = self._read()
-                if isinstance(owner, LockRecord) and owner.token not in ("", self.token):
+                owner = self._challenger()
+                if owner is not None:
                     self.lost = (f"the lease of {self.remote.description} was taken over by {owner.host} "
                                  f"(process {owner.pid})")
                     return  # never overwrite the new owner's lease
@@ -92,12 +139,24 @@ class DriveLease:
             except StorageError:
                 pass  # the next beat tries again; a stale lease only lets another machine in later
 
+    def _challenger(self) -> LockRecord | None:
+        """Another owner that took the lease over, as far as can be seen; None: it is still ours."""
+        if self._by_id():
+            mine, meta = self._read_ours()
+            if meta is not None and self._ours(mine):
+                contender = self._contender(meta)
+                return contender if isinstance(contender, LockRecord) else None
+            if isinstance(mine, LockRecord):  # our file, overwritten by them
+                return mine if mine.token not in ("", self.token) else None
+        owner = self._read()  # ours was deleted (theirs is newer), or a store without ids: the listed lease
+        return owner if isinstance(owner, LockRecord) and owner.token not in ("", self.token) else None
+
     def release(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         try:
-            if self._ours(self._read()):
+            if self._ours(self._read_ours()[0] if self._by_id() else self._read()):
                 self._write(replace(lock_record(self.token, self.host), released=True))
         except StorageError:
             pass  # it goes stale by itself

@@ -24,6 +24,7 @@ from .base import RemoteFile, RemoteStore
 from .retry import MissingFile
 
 FOLDER = "folder"
+MD5 = "md5"  # of a file's bytes as the remote reported them when it was uploaded (optional)
 HOLDER = "holds files of newer checkpoints (its own checkpoint was pruned)"
 Key = tuple[str, int, str]  # (name, size, sha256): the same bytes under the same name
 # A smaller file is uploaded again: that costs about what checking it is still there does, and it never keeps a
@@ -52,14 +53,18 @@ def uses(manifests: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, set[str]]
     return found
 
 
-def remote_body(local: dict[str, Any], reused: dict[str, str]) -> dict[str, Any]:
+def remote_body(local: dict[str, Any], reused: dict[str, str], md5: dict[str, str] | None = None) -> dict[str, Any]:
     """The remote manifest of a local one whose files ``reused`` (name -> folder) are stored elsewhere. Placement
-    keys the local one carries (it was brought back from the remote) are replaced: where the bytes are now."""
+    keys the local one carries (it was brought back from the remote) are replaced: where the bytes are now.
+    ``md5``: what the remote reported for the files just uploaded (name -> md5), recorded so that a later check
+    (`resumable verify gdrive://...`, durable.py) compares what Drive reports without downloading anything."""
     files = {}
     for name, entry in local["files"].items():
-        files[name] = {k: v for k, v in entry.items() if k != FOLDER}
-        if name in reused:
+        files[name] = {k: v for k, v in entry.items() if k != FOLDER}  # an md5 it carries stays: same sha256,
+        if name in reused:                                                  # same bytes, same md5
             files[name][FOLDER] = reused[name]
+        elif name in (md5 or {}):
+            files[name][MD5] = md5[name]
     body = {**local, "files": files}
     return local if body == local else seal(body)
 

@@ -1,4 +1,4 @@
-"""Retrying transient storage errors with truncated exponential backoff and full jitter."""
+"""Retrying transient storage errors with truncated exponential backoff and jitter that never retries at once."""
 
 from __future__ import annotations
 
@@ -26,7 +26,14 @@ class TransientStorageError(StorageError):
 
 @dataclass
 class RetryPolicy:
-    """``attempts`` tries in all; waits up to ``base_s``·2^k (capped at ``max_s``), uniformly jittered."""
+    """``attempts`` tries in all; before retry k (0 first) waits between half and all of ``base_s``·2^(k+1),
+    capped at ``max_s``: 1-2 s, 2-4 s, 4-8 s, ... 32-64 s with the defaults.
+
+    "Equal jitter": half the wait is fixed, so even the first retry waits at least ``base_s`` (Google's guidance
+    for its APIs: 1 s plus jitter, then doubling; a rate limit answered by an immediate retry is answered again),
+    and the other half is random, so that processes failing together spread out. The floor scales with
+    ``base_s``: tests set RESUMABLE_RETRY_BASE_S=0.01 and wait 10-20 ms.
+    """
 
     attempts: int = 8
     base_s: float = 1.0
@@ -47,7 +54,8 @@ class RetryPolicy:
                    base_s=float(os.environ.get("RESUMABLE_RETRY_BASE_S", cls.base_s)))
 
     def delay(self, attempt: int) -> float:
-        return self._rng.uniform(0.0, min(self.max_s, self.base_s * 2 ** attempt))
+        ceiling = min(self.max_s, self.base_s * 2 ** (attempt + 1))
+        return self._rng.uniform(ceiling / 2, ceiling)
 
     def call(self, action: Callable[[], T], classify: Callable[[BaseException], StorageError | None],
              what: str) -> T:

@@ -85,6 +85,8 @@ class DriveApi(Uploads):
                 return self._list(query)
             if method == "POST":
                 return self._insert(json_object(body), b"", None)
+        if rest == ["files", "generateIds"] and method == "GET":
+            return self._generate_ids(query)
         if len(rest) == 2 and rest[0] == "files":
             if method == "GET":
                 return self._get(rest[1], query, headers)
@@ -117,6 +119,19 @@ class DriveApi(Uploads):
         if start + max_results < len(matched):
             result["nextPageToken"] = str(start + max_results)
         return json_reply(result)
+
+    def _generate_ids(self, query: dict[str, str]) -> Reply:
+        """files.generateIds: ids a later insert may carry as its "id" (Drive v2; maxResults 1..1000, default 10)."""
+        try:
+            count = int(query.get("maxResults") or 10)
+        except ValueError:
+            raise DriveError(400, "invalid", f"Invalid value for maxResults: {query.get('maxResults')!r}") from None
+        if not 1 <= count <= 1000:
+            raise DriveError(400, "invalid", f"maxResults must be between 1 and 1000, not {count}")
+        if query.get("space", "drive") != "drive":
+            raise DriveError(400, "invalid", f"Unsupported space {query.get('space')!r}")
+        ids = [self.reserve_id() for _ in range(count)]
+        return json_reply({"kind": "drive#generatedIds", "space": "drive", "ids": ids})
 
     def _get(self, file_id: str, query: dict[str, str], headers: Any) -> Reply:
         f = self.resolve(file_id)

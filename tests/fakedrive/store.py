@@ -61,6 +61,26 @@ class Store:
         self.lock = threading.RLock()
         self.root_id = "0A" + secrets.token_urlsafe(12)  # real root ids are opaque; 'root' is only an alias
         self.files: dict[str, StoredFile] = {self.root_id: StoredFile(self.root_id, "My Drive", FOLDER_MIME, [])}
+        self.generated_ids: set[str] = set()  # from files.generateIds, not used by an insert yet
+
+    def reserve_id(self) -> str:
+        with self.lock:
+            new = _new_id()
+            self.generated_ids.add(new)
+            return new
+
+    def _claim_id(self, metadata: dict[str, Any]) -> str:
+        """The id of a new file: one the client chose (it must come from generateIds; 409 when a file has it
+        already, as Drive answers a retried insert that had landed), else a fresh one."""
+        chosen = metadata.get("id")
+        if chosen is None:
+            return _new_id()
+        if chosen in self.files:
+            raise DriveError(409, "duplicate", "A file already exists with the provided ID.")
+        if chosen not in self.generated_ids:
+            raise DriveError(400, "invalid", "The provided file ID is not usable.")
+        self.generated_ids.discard(chosen)
+        return str(chosen)
 
     @property
     def base_url(self) -> str:
@@ -159,7 +179,8 @@ class Store:
         self._check_quota(len(content))
         parents = self._parent_ids(metadata) or [self.root_id]
         with self.lock:
-            f = StoredFile(_new_id(), "Untitled", mime_type or "application/octet-stream", parents, content)
+            f = StoredFile(self._claim_id(metadata), "Untitled", mime_type or "application/octet-stream", parents,
+                           content)
             self._apply_metadata(f, metadata)
             self.files[f.id] = f
             return json_reply(self.resource(f))
