@@ -22,6 +22,12 @@ def close_mirror(mirror: Mirror, flush_timeout: str, interrupted: bool, budget: 
         log.warning(f"interrupted: not waiting for uploads to {mirror.remote.description}; checkpoints not yet "
                     f"there are committed in {mirror.local.root} and go up at the next start")
         return
+    lost = mirror.lost()
+    if lost is not None:  # another machine owns the run dir now: its session uploads, this one must not
+        mirror.close(timeout=0)
+        log.warning(f"not uploading to {mirror.remote.description}: {lost}; checkpoints not yet there stay in "
+                    f"{mirror.local.root}")
+        return
     pending = mirror.flush(parse_duration(flush_timeout))
     if not mirror.close(timeout=parse_duration(flush_timeout)):  # nothing goes up once the lease is released
         log.warning(f"an upload to {mirror.remote.description} is still running after --drive-flush-timeout; "

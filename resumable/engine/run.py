@@ -237,7 +237,9 @@ class Run:
         if main:
             rundir.local.mkdir(parents=True, exist_ok=True)
         if main and rundir.remote is not None:
-            self._mirror = Mirror(rundir.manager, rundir.remote, rundir.local, log.info, run_id=choice.run_id)
+            # Once another machine took the lease over, its session owns the remote: this mirror stops at once.
+            self._mirror = Mirror(rundir.manager, rundir.remote, rundir.local, log.info, run_id=choice.run_id,
+                                  lost=lambda: rundir.lost)
         self._metrics = MetricsLog(rundir.local / METRICS if main else None)
         self._checkpointer = Checkpointer(
             CheckpointManager(checkpoints_dir(rundir.local), ShardedFormat(self.options.shard_size_bytes,

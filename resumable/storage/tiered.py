@@ -73,18 +73,24 @@ class Mirror:
     folder keeps the files newer checkpoints use (placement.py): ``bytes`` counts what was uploaded,
     ``reused_bytes`` what was not.
 
+    ``lost``: why this process no longer owns the run dir (its Drive lease was taken over), or None. Once it says
+    so, nothing more is uploaded or deleted: the new owner's checkpoints and pruning are its own.
+
     >>> mirror = Mirror(manager, remote, run_dir, print, run_id=run_id)  # doctest: +SKIP
     """
 
     def __init__(self, local: CheckpointManager, remote: RemoteStore, run_dir: Path,
                  say: Callable[[str], None], run_id: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 lost: Callable[[], str | None] = lambda: None) -> None:
         self.local = local
         self.remote = remote
         self.run_dir = run_dir
         self.say = say
         self.run_id = run_id  # None: unknown, every remote checkpoint may be this run's (older manifests)
         self.clock = clock
+        self.lost = lost
+        self.stopped_by: str | None = None  # why the thread stopped changing the remote (the lease was lost)
         self.durable: set[int] = set()
         self._runs: dict[int, str | None] = {}  # run id of each remote step read or uploaded
         self.placements = Placements()  # where the remote stores the bytes of each file (placement.py)
@@ -131,8 +137,16 @@ class Mirror:
 
     def _check_open(self) -> None:
         """Called before every remote call that starts an upload or a deletion: after close() (the run may
-        have released its Drive lease) this process must not change the remote any more."""
+        have released its Drive lease) or once the lease was taken over by another machine, this process must
+        not change the remote any more."""
         if self._closed:
+            raise _Closed
+        lost = self.lost()
+        if lost is not None:
+            if self.stopped_by is None:
+                self.stopped_by = lost
+                self.say(f"warning: stopped mirroring to {self.remote.description}: {lost}; nothing more is "
+                         f"uploaded or deleted by this process")
             raise _Closed
 
     def _run(self) -> None:
