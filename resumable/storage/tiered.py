@@ -33,6 +33,7 @@ from .pace import UploadPace
 from .placement import Listings, Placements
 from .restore import METRICS, restore_newest
 from .retry import StorageError
+from .upload import SourceUnreadable
 
 # durable.py's and restore.py's too, for the callers that knew them here
 __all__ = ["Mirror", "describe_remote", "durable_steps", "remote_checkpoints", "restore_newest"]
@@ -170,7 +171,9 @@ class Mirror:
             self._check_open()
             try:
                 self._upload(step, listings)
-            except StorageError as e:
+            except (StorageError, SourceUnreadable) as e:
+                if self._gone(step):  # pruned locally meanwhile: nothing to mirror, and no failure (not retried)
+                    continue
                 self.errors.append(f"step {step}: {e}")
                 self.say(f"warning: mirroring step {step} to {self.remote.description} failed: {e}")
                 break
@@ -183,6 +186,10 @@ class Mirror:
             self._prune()
         except StorageError as e:
             self.errors.append(f"pruning: {e}")
+
+    def _gone(self, step: int) -> bool:
+        """Whether local retention dropped ``step`` (its manifest goes first): its upload failing is no failure."""
+        return not paths.is_regular(self.local.root / fmt.step_dir_name(step) / fmt.MANIFEST)
 
     def _upload(self, step: int, listings: Listings) -> None:
         started = time.monotonic()
