@@ -22,6 +22,7 @@ from ..reporting.metrics import METRICS
 from ..reporting.tensorboard import TENSORBOARD_DIR
 from ..storage import RunLocation, StorageError, open_run_location
 from ..storage.lease import DriveLease
+from ..storage.restore import RestoreFailed
 from ..storage.tiered import restore_newest
 from .crashloop import check_crash_loop
 from .distributed import Distributed
@@ -199,6 +200,8 @@ class RunDir:
         log.info(f"run dir {self.name} is mirrored from a local cache in {self.local}")
         try:
             restore_newest(self.remote, self.manager, self.local, log.info)
+        except RestoreFailed as e:  # committed checkpoints there, none usable: never a fresh start over them
+            raise ResumableError(str(e)) from e
         except StorageError as e:
             raise ResumableError(f"cannot look for checkpoints on {self.remote.description}: {e}. "
                                  f"Nothing was changed; run again when it is reachable") from e

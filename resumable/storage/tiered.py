@@ -93,6 +93,10 @@ class Mirror:
         self.lost = lost
         self.stopped_by: str | None = None  # why the thread stopped changing the remote (the lease was lost)
         self.durable: set[int] = set()
+        # Steps this mirror made durable itself: only those may justify pruning. One found on the remote at start may
+        # be ahead of a local cache that fell behind (a restore that failed), and its older neighbours are then the
+        # checkpoints this session may still need.
+        self.uploaded: set[int] = set()
         self._runs: dict[int, str | None] = {}  # run id of each remote step read or uploaded
         self.placements = Placements()  # where the remote stores the bytes of each file (placement.py)
         if local.root.is_dir():
@@ -233,6 +237,7 @@ class Mirror:
         self._runs[step] = run_of(manifest)
         self._durable_at[step] = self.clock()  # on a mount: in its cache now, uploaded by Google later
         self.durable.add(step)
+        self.uploaded.add(step)
 
     def durable_at(self, step: int) -> float | None:
         """When ``step`` became durable remotely (``clock`` time; found there at start: the start), if it is."""
@@ -284,17 +289,20 @@ class Mirror:
 
         Settled: durable for at least ``remote.prune_grace_s``. Only checkpoints older than the newest settled
         one go, so one that has had time to upload always stays, and with no grace (the Drive API) this is
-        "older than the newest durable one". Runs after every pass: later submits and flush() retry it.
+        "older than the newest durable one". That anchor is a step this mirror uploaded itself (``uploaded``),
+        never one only found on the remote, and nothing at or past the newest valid local step goes: a session
+        whose cache is behind the remote leaves the remote's newer checkpoints alone. Runs after every pass:
+        later submits and flush() retry it.
         """
-        if not self.durable:
+        if not self.uploaded:
             return
         grace = float(getattr(self.remote, "prune_grace_s", 0.0))
         now = self.clock()
-        settled = [step for step in self.durable if now - self._durable_at.get(step, now) >= grace]
-        if not settled:
-            return
-        anchor = max(settled)
+        settled = [step for step in self.durable & self.uploaded if now - self._durable_at.get(step, now) >= grace]
         keep = set(self._kept())
+        if not settled or not keep:
+            return
+        anchor = min(max(settled), max(keep))
         doomed = [(step, folder) for folder in self.remote.list_checkpoints()
                   if (step := fmt.parse_step_dir(folder)) is not None and step < anchor and step not in keep
                   and self._ours(step, folder)]
@@ -311,6 +319,7 @@ class Mirror:
                 deleted = placement.make_holder(self.remote, folder, in_use[folder])
                 self.placements.held(folder, in_use[folder], deleted)
             self.durable.discard(step)
+            self.uploaded.discard(step)
             self._durable_at.pop(step, None)
 
     def _ours(self, step: int, folder: str) -> bool:
