@@ -137,6 +137,11 @@ class Mirror:
     def _kept(self) -> list[int]:
         return [info.step for info in self.local.inspect(deep=False) if info.valid]
 
+    def durability(self) -> tuple[list[int], list[int]]:
+        """The locally kept steps as (durable on the remote, only local), oldest first."""
+        kept = sorted(set(self._kept()))
+        return [s for s in kept if s in self.durable], [s for s in kept if s not in self.durable]
+
     def pending(self) -> list[int]:
         return sorted(set(self._kept()) - self.durable)
 
