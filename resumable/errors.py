@@ -10,6 +10,9 @@ from typing import Any
 
 EXIT_USAGE = 2  # bad input or a run dir that cannot be used as asked; nothing was changed
 EXIT_RESUME = 75  # EX_TEMPFAIL: stopped early with the newest committed checkpoint intact; run again
+EXIT_NOT_DURABLE = 74  # EX_IOERR: the session ended (done, or stopped as for 75) but its newest committed
+# checkpoint is not durable on the remote (Drive) after --drive-flush-timeout: it exists only in the local
+# cache, which a VM that goes away takes with it. Run the same command again on this machine to upload it
 EXIT_HANG = 76  # no optimizer step for --hang-timeout: stacks dumped to RUN_DIR/hang-*.txt; restart it (the
 # newest committed checkpoint is intact)
 EXIT_CRASH_LOOP = 77  # refused to start: the last sessions all failed from the same step; fix, --resume-from an

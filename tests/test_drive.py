@@ -210,8 +210,9 @@ def test_quota_exceeded_keeps_training_state_committed_locally(fake: FakeDrive, 
     fake.quota_bytes = 10_000
     result = CliRunner().invoke(train_command, _train_args(
         "gdrive://root/runs/q", tiny_mnist, "--max-steps", "4", "--cache-dir", str(tmp_path / "cache")))
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 74, result.output  # EXIT_NOT_DURABLE: step 4 is only in this VM's cache
     assert "storageQuotaExceeded" in result.output and "exist only in" in result.output
+    assert "only local: steps 4" in result.output
     (cache,) = (tmp_path / "cache").iterdir()
     assert CheckpointManager(checkpoints_dir(cache)).latest_valid()[0].step == 4
 

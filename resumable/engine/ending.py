@@ -6,7 +6,7 @@ from .. import log
 from ..checkpoint import CheckpointManager
 from ..checkpoint.format import step_dir_name
 from ..config import parse_duration
-from ..errors import EXIT_RESUME
+from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME
 from ..storage.tiered import Mirror
 from .checkpointer import Checkpointer
 from .loop import Outcome
@@ -14,14 +14,24 @@ from .preemption import Budget
 from .state import TrainState
 
 
-def close_mirror(mirror: Mirror, flush_timeout: str, interrupted: bool, budget: Budget | None = None) -> None:
+def close_mirror(mirror: Mirror, flush_timeout: str, interrupted: bool, budget: Budget | None = None) -> bool:
     """Training never waits on Drive, except here at exit, for at most --drive-flush-timeout (not at all
-    after a second Ctrl-C: the user wants out now, and what is committed locally goes up next time)."""
+    after a second Ctrl-C: the user wants out now, and what is committed locally goes up next time).
+
+    Returns whether the newest committed checkpoint is *not* durable on the remote now (the session then exits
+    EXIT_NOT_DURABLE). Judged by what is there at exit: a pass that failed earlier and was made good later does
+    not count. Not judged after a second Ctrl-C or a lost lease (those exit 130 and 75 whatever Drive holds)."""
     if interrupted:
         mirror.close(timeout=0)  # stops before its next remote call; the file in flight may still land
         log.warning(f"interrupted: not waiting for uploads to {mirror.remote.description}; checkpoints not yet "
                     f"there are committed in {mirror.local.root} and go up at the next start")
-        return
+        return False
+    lost = mirror.lost()
+    if lost is not None:  # another machine owns the run dir now: its session uploads, this one must not
+        mirror.close(timeout=0)
+        log.warning(f"not uploading to {mirror.remote.description}: {lost}; checkpoints not yet there stay in "
+                    f"{mirror.local.root}")
+        return False
     pending = mirror.flush(parse_duration(flush_timeout))
     if not mirror.close(timeout=parse_duration(flush_timeout)):  # nothing goes up once the lease is released
         log.warning(f"an upload to {mirror.remote.description} is still running after --drive-flush-timeout; "
@@ -40,6 +50,23 @@ def close_mirror(mirror: Mirror, flush_timeout: str, interrupted: bool, budget: 
                  f"{mirror.bytes / 1e6:.1f} MB uploaded in {mirror.upload_s:.1f}s"
                  + (f" ({mirror.reused_bytes / 1e6:.1f} MB of unchanged shards already there, not sent again)"
                     if mirror.reused_bytes else ""))
+    return _report_durability(mirror)
+
+
+def _report_durability(mirror: Mirror) -> bool:
+    """Say which kept steps are durable on the remote and which only local; True when the newest is only local."""
+    durable, only_local = mirror.durability()
+    if not durable and not only_local:
+        return False
+    steps = lambda found: ", ".join(map(str, found)) or "none"  # noqa: E731
+    log.info(f"durable on {mirror.remote.description}: steps {steps(durable)}; only local: steps {steps(only_local)}")
+    newest = max(durable + only_local)
+    if newest in durable:
+        return False
+    log.error(f"the newest checkpoint, step {newest}, is not durable on {mirror.remote.description}: it exists only "
+              f"in {mirror.local.root}, and a VM that goes away takes it along. Run the same command again on this "
+              f"machine to upload it (exit code {EXIT_NOT_DURABLE})")
+    return True
 
 
 def report_durable(mirror: Mirror, budget: Budget) -> None:

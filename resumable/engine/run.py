@@ -34,7 +34,7 @@ from ..checkpoint import CheckpointManager, checkpoints_dir, describe_age
 from ..checkpoint.sharded import ShardedFormat
 from ..checkpoint.writer import CheckpointWriter, SaveStats
 from ..config import RunOptions, format_duration
-from ..errors import EXIT_RESUME, ResumableError
+from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME, ResumableError
 from ..faults import Faults
 from ..reporting.history import SessionLog
 from ..reporting.metrics import METRICS, MetricsLog
@@ -151,6 +151,7 @@ class Run:
         self.overwrite = overwrite
         self.state = TrainState()
         self.outcome: Outcome | None = None
+        self._not_durable = False  # the newest committed checkpoint did not reach Drive by the end (exit 74)
         self.sync_step = True  # this micro-batch completes an optimizer step (see accumulate)
         self.end_of_epoch = False  # this batch is the epoch's last (step a per-epoch scheduler here)
         self.resumed_from: int | None = None
@@ -173,8 +174,14 @@ class Run:
     @property
     def exit_code(self) -> int:
         """0 when training is complete, 75 (EX_TEMPFAIL) when it stopped early with its state committed; 0 for a
-        stop on purpose under torchrun, which must not restart the group (``resumable torchrun`` exits 75)."""
-        return 0 if self.finished or self._elastic_stop else EXIT_RESUME
+        stop on purpose under torchrun, which must not restart the group (``resumable torchrun`` exits 75); 74
+        (EX_IOERR) instead of 0 or 75 when a Drive run's newest committed checkpoint is not durable on Drive at
+        exit (only in this VM's cache: run again here to upload it)."""
+        if self._elastic_stop:
+            return 0
+        if self._not_durable:  # done or stopped, but the newest checkpoint is only in this VM's cache
+            return EXIT_NOT_DURABLE
+        return 0 if self.finished else EXIT_RESUME
 
     @property
     def stats(self) -> SaveStats | None:
@@ -237,7 +244,9 @@ class Run:
         if main:
             rundir.local.mkdir(parents=True, exist_ok=True)
         if main and rundir.remote is not None:
-            self._mirror = Mirror(rundir.manager, rundir.remote, rundir.local, log.info, run_id=choice.run_id)
+            # Once another machine took the lease over, its session owns the remote: this mirror stops at once.
+            self._mirror = Mirror(rundir.manager, rundir.remote, rundir.local, log.info, run_id=choice.run_id,
+                                  lost=lambda: rundir.lost)
         self._metrics = MetricsLog(rundir.local / METRICS if main else None)
         self._checkpointer = Checkpointer(
             CheckpointManager(checkpoints_dir(rundir.local), ShardedFormat(self.options.shard_size_bytes,
@@ -426,8 +435,8 @@ class Run:
 
     def _close_mirror(self, interrupted: bool) -> None:
         if self._mirror is not None:
-            close_mirror(self._mirror, self.options.drive_flush_timeout, interrupted,
-                         self._loop.budget if self._loop is not None else None)
+            self._not_durable = close_mirror(self._mirror, self.options.drive_flush_timeout, interrupted,
+                                             self._loop.budget if self._loop is not None else None)
 
     def _summarise(self) -> None:
         summarise(self._checkpointer, self.state, self.outcome, self._rundir.lost if self._rundir else None,

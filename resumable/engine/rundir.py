@@ -8,6 +8,8 @@ other ranks; an error on rank 0 is raised on every rank instead of leaving them 
 
 from __future__ import annotations
 
+import math
+import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +22,30 @@ from ..reporting.metrics import METRICS
 from ..reporting.tensorboard import TENSORBOARD_DIR
 from ..storage import RunLocation, StorageError, open_run_location
 from ..storage.lease import DriveLease
+from ..storage.restore import RestoreFailed
 from ..storage.tiered import restore_newest
 from .crashloop import check_crash_loop
 from .distributed import Distributed
 from .lock import RunLock
 from .rewind import choose_step, set_aside_newer
+
+# How often the Drive lease is renewed and checked for a takeover (default 60 s). A takeover is noticed within
+# one beat, so tests set it short to see a run stop without waiting a minute.
+LEASE_HEARTBEAT_ENV = "RESUMABLE_LEASE_HEARTBEAT_S"
+
+
+def lease_heartbeat_s() -> float:
+    raw = os.environ.get(LEASE_HEARTBEAT_ENV)
+    if raw is None:
+        return 60.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ResumableError(f"{LEASE_HEARTBEAT_ENV}={raw!r} is not a positive number of seconds; unset it for "
+                             f"the default 60")
+    return value
 
 
 @dataclass
@@ -157,7 +178,7 @@ class RunDir:
         self.lock = RunLock(self.local)
         self.taken_over = self.lock.acquire()  # raises RunDirInUse
         if self.remote is not None:
-            self.lease = DriveLease(self.remote)
+            self.lease = DriveLease(self.remote, heartbeat_s=lease_heartbeat_s())
             try:
                 self.taken_over = self.lease.acquire() or self.taken_over
             except StorageError as e:
@@ -179,6 +200,8 @@ class RunDir:
         log.info(f"run dir {self.name} is mirrored from a local cache in {self.local}")
         try:
             restore_newest(self.remote, self.manager, self.local, log.info)
+        except RestoreFailed as e:  # committed checkpoints there, none usable: never a fresh start over them
+            raise ResumableError(str(e)) from e
         except StorageError as e:
             raise ResumableError(f"cannot look for checkpoints on {self.remote.description}: {e}. "
                                  f"Nothing was changed; run again when it is reachable") from e

@@ -11,6 +11,7 @@ larger than any real one is not even downloaded.
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,6 +26,24 @@ from .retry import MissingFile
 # A real manifest is a few KB; one larger than this on the remote is not downloaded at all.
 MAX_MANIFEST_BYTES = 4 << 20
 INCOMPLETE = "incomplete upload (no manifest yet)"
+DELETED = "deleted while it was being read"
+
+
+def md5_of(path: Path) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with paths.open_regular(path) as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _download_checked(remote: RemoteStore, folder: str, name: str, target: Path, md5: str | None) -> None:
+    """Download ``name``; when its bytes differ from the md5 the remote lists for it (corrupted in transit), once
+    more. A manifest damaged on the way would otherwise make a committed checkpoint look invalid, and a run dir
+    look as if it held none."""
+    remote.get_file(folder, name, target)
+    if md5 is not None and md5_of(target) != md5:
+        remote.get_file(folder, name, target)
 
 
 def check_remote(remote: RemoteStore, folder: str, scratch: Path,
@@ -63,7 +82,7 @@ def _read_listed(remote: RemoteStore, folder: str, scratch: Path,
     try:
         files = listings.get(folder)
     except MissingFile:  # the folder was pruned after the checkpoint listing (inspect beside a live run)
-        return None, "deleted while it was being read"
+        return None, DELETED
     if fmt.MANIFEST not in files:
         return None, INCOMPLETE
     if files[fmt.MANIFEST].size > MAX_MANIFEST_BYTES:
@@ -74,9 +93,9 @@ def _read_listed(remote: RemoteStore, folder: str, scratch: Path,
     try:
         (holder / folder).mkdir()
         try:
-            remote.get_file(folder, fmt.MANIFEST, holder / folder / fmt.MANIFEST)
+            _download_checked(remote, folder, fmt.MANIFEST, holder / folder / fmt.MANIFEST, files[fmt.MANIFEST].md5)
         except MissingFile:  # pruned between listing and reading
-            return None, "deleted while it was being read"
+            return None, DELETED
         try:
             manifest = fmt.read_manifest(holder / folder)
         except fmt.InvalidCheckpoint as e:

@@ -16,8 +16,11 @@ from ..reporting.history import SESSIONS
 from ..reporting.metrics import METRICS
 from ..reporting.tensorboard import TENSORBOARD_DIR
 from . import placement
-from .base import RemoteStore, run_of, same_run
-from .durable import remote_entries
+from .base import RemoteFile, RemoteStore, run_of, same_run
+from .durable import DELETED, INCOMPLETE, md5_of, remote_entries
+from .retry import MissingFile, StorageError
+
+DOWNLOADS = 2  # tries per checkpoint: a transfer damaged in transit is fetched again before an older one is tried
 
 
 def _created(manifest: dict | None) -> float:
@@ -54,10 +57,49 @@ def _drop_stale_cache(local: CheckpointManager, run_dir: Path, run: str | None, 
     return True
 
 
+class RestoreFailed(StorageError):
+    """The remote holds committed checkpoints of this run and none could be brought back: starting fresh would
+    train over them, so the session does not start (the message names each step, why, and the fix)."""
+
+
 def _fetch(remote: RemoteStore, folder: str, name: str, directory: Path) -> Path:
     """Download ``name`` of the remote ``folder`` as ``directory/name``, never through a link or FIFO there."""
     return paths.write_replacing(directory, name, lambda tmp: remote.get_file(folder, name, tmp),
                                  f"{remote.description} ({folder or 'the run folder'})")
+
+
+def _fetch_log(remote: RemoteStore, folder: str, name: str, directory: Path, listed: RemoteFile,
+               say: Callable[[str], None]) -> None:
+    """A log file, checked against the md5 the remote lists for it (logs have no sha256 in a manifest): a copy
+    damaged in transit is downloaded once more, then kept with a warning (a log never blocks a resume)."""
+    for _ in range(DOWNLOADS):
+        path = _fetch(remote, folder, name, directory)
+        if listed.md5 is None or md5_of(path) == listed.md5:
+            return
+    say(f"warning: {name} from {remote.description} does not match the md5 Drive lists for it after {DOWNLOADS} "
+        f"downloads; keeping it as it is")
+
+
+def _bring_back(remote: RemoteStore, folder: str, manifest: dict, target: Path,
+                say: Callable[[str], None]) -> str | None:
+    """Download one checkpoint's payload and verify every sha256; None when it verifies, else why not. A payload
+    that does not verify is downloaded again (its bytes may have been damaged in transit, not on the remote)."""
+    reason = ""
+    for attempt in range(1, DOWNLOADS + 1):
+        try:
+            for name, entry in manifest["files"].items():  # plain names: check_remote refused the manifest otherwise
+                _fetch(remote, placement.folder_of(entry, folder), name, target)
+        except MissingFile as e:  # deleted since it was listed: another download cannot bring it back
+            return f"a file is missing on the remote ({e})"
+        try:
+            fmt.verify_files(target, manifest, deep=True)
+            return None
+        except fmt.InvalidCheckpoint as e:
+            reason = str(e)
+        if attempt < DOWNLOADS:
+            say(f"warning: remote {folder} on {remote.description} does not verify after download ({reason}); "
+                f"downloading it again")
+    return f"does not verify after {DOWNLOADS} downloads ({reason})"
 
 
 def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
@@ -68,12 +110,22 @@ def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
     The remote decides which run this is: the run of its most recently created durable checkpoint. Local
     checkpoints of another run are a stale cache (a newer run was started elsewhere with --fresh --overwrite):
     they are removed, and the remote's checkpoint is brought back even if its step is lower.
+
+    A checkpoint that does not verify is downloaded again, then the next older one is tried. When the remote holds
+    committed checkpoints and neither they nor the local cache give one to resume, raises :class:`RestoreFailed`:
+    a fresh start there would train over them (and its pruning delete them). Nothing on the remote is changed.
     """
     local.root.mkdir(parents=True, exist_ok=True)
     entries = remote_entries(remote, local.root)
     found = [(step, folder, manifest) for step, folder, manifest, _ in entries]
     durable = [(step, folder, manifest) for step, folder, manifest in found if manifest is not None]
+    # Folders whose manifest is there but did not check out (damaged, a file missing): committed once, so they
+    # forbid a fresh start as much as a durable one does.
+    broken = [(step, f"{folder}: {reason}") for step, folder, manifest, reason in entries
+              if manifest is None and reason not in (INCOMPLETE, placement.HOLDER, DELETED)]
     if not durable:
+        if broken and local.latest_valid()[0] is None:
+            raise _failed(remote, broken)
         return None
     # By creation time, not step: a folder of an older run left behind (a failed delete) may have a higher step.
     _, _, current = max(durable, key=lambda item: (_created(item[2]), item[0]))
@@ -86,33 +138,47 @@ def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
     for step, folder, manifest, reason in entries:
         if manifest is None and step > floor and reason != placement.HOLDER:
             say(f"warning: skipping remote {folder} on {remote.description}: {reason}")
+    failed: list[tuple[int, str]] = []
     for step, folder, manifest in reversed(ours):
         if step <= floor:
             break
         target = paths.real_dir(local.root / folder, say)  # a link there: removed, never written through
         (target / fmt.MANIFEST).unlink(missing_ok=True)
-        for name, entry in manifest["files"].items():  # plain names: check_remote refused the manifest otherwise
-            _fetch(remote, placement.folder_of(entry, folder), name, target)
-        try:
-            fmt.verify_files(target, manifest, deep=True)
-        except fmt.InvalidCheckpoint as e:
-            say(f"warning: remote {folder} on {remote.description} does not verify ({e}); trying an older one")
+        problem = _bring_back(remote, folder, manifest, target, say)
+        if problem is not None:
+            say(f"warning: remote {folder} on {remote.description} {problem}; trying an older one")
+            failed.append((step, f"{folder}: {problem}"))
+            local.delete(target)  # no manifest: never a checkpoint; removed so the cache is as it was
             continue
         logs = remote.list_files("")
         for log in (METRICS, SESSIONS):
             if log in logs:
-                _fetch(remote, "", log, run_dir)
+                _fetch_log(remote, "", log, run_dir, logs[log], say)
         board = remote.list_files(TENSORBOARD_DIR)
         if board:  # the event files: the resumed session's purge_step drops what followed this checkpoint
             board_dir = paths.real_dir(run_dir / TENSORBOARD_DIR, say)
-            for name in board:
+            for name, listed in board.items():
                 problem = paths.name_problem(name)
                 if problem is not None:  # a title like "../../x" in a shared folder: never a path here
                     say(f"warning: skipping the TensorBoard file {name!r} on {remote.description}: not a plain "
                         f"file name ({problem})")
                     continue
-                _fetch(remote, TENSORBOARD_DIR, name, board_dir)
+                _fetch_log(remote, TENSORBOARD_DIR, name, board_dir, listed, say)
         fmt.write_json_atomic(target / fmt.MANIFEST, manifest)  # as on the remote: "folder" keys are only hints here
         say(f"brought checkpoint step {step} back from {remote.description}")
         return step
+    if failed and floor < 0:
+        raise _failed(remote, failed + [item for item in broken if item[0] not in {s for s, _ in failed}])
+    if failed:
+        say(f"warning: no newer checkpoint could be brought back from {remote.description}; resuming from the "
+            f"local step {floor}")
     return None
+
+
+def _failed(remote: RemoteStore, failures: list[tuple[int, str]]) -> RestoreFailed:
+    steps = ", ".join(str(step) for step, _ in sorted(failures, reverse=True))
+    reasons = "; ".join(reason for _, reason in sorted(failures, reverse=True))
+    return RestoreFailed(f"{remote.description} holds committed checkpoints of this run (steps {steps}) but none "
+                         f"could be brought back: {reasons}. Nothing was changed there, and training does not start "
+                         f"fresh on top of them. Run again (a download may have been damaged in transit), or start "
+                         f"over with --fresh --overwrite to discard them")

@@ -33,6 +33,7 @@ from .pace import UploadPace
 from .placement import Listings, Placements
 from .restore import METRICS, restore_newest
 from .retry import StorageError
+from .upload import SourceUnreadable
 
 # durable.py's and restore.py's too, for the callers that knew them here
 __all__ = ["Mirror", "describe_remote", "durable_steps", "remote_checkpoints", "restore_newest"]
@@ -73,19 +74,29 @@ class Mirror:
     folder keeps the files newer checkpoints use (placement.py): ``bytes`` counts what was uploaded,
     ``reused_bytes`` what was not.
 
+    ``lost``: why this process no longer owns the run dir (its Drive lease was taken over), or None. Once it says
+    so, nothing more is uploaded or deleted: the new owner's checkpoints and pruning are its own.
+
     >>> mirror = Mirror(manager, remote, run_dir, print, run_id=run_id)  # doctest: +SKIP
     """
 
     def __init__(self, local: CheckpointManager, remote: RemoteStore, run_dir: Path,
                  say: Callable[[str], None], run_id: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 lost: Callable[[], str | None] = lambda: None) -> None:
         self.local = local
         self.remote = remote
         self.run_dir = run_dir
         self.say = say
         self.run_id = run_id  # None: unknown, every remote checkpoint may be this run's (older manifests)
         self.clock = clock
+        self.lost = lost
+        self.stopped_by: str | None = None  # why the thread stopped changing the remote (the lease was lost)
         self.durable: set[int] = set()
+        # Steps this mirror made durable itself: only those may justify pruning. One found on the remote at start may
+        # be ahead of a local cache that fell behind (a restore that failed), and its older neighbours are then the
+        # checkpoints this session may still need.
+        self.uploaded: set[int] = set()
         self._runs: dict[int, str | None] = {}  # run id of each remote step read or uploaded
         self.placements = Placements()  # where the remote stores the bytes of each file (placement.py)
         if local.root.is_dir():
@@ -126,13 +137,26 @@ class Mirror:
     def _kept(self) -> list[int]:
         return [info.step for info in self.local.inspect(deep=False) if info.valid]
 
+    def durability(self) -> tuple[list[int], list[int]]:
+        """The locally kept steps as (durable on the remote, only local), oldest first."""
+        kept = sorted(set(self._kept()))
+        return [s for s in kept if s in self.durable], [s for s in kept if s not in self.durable]
+
     def pending(self) -> list[int]:
         return sorted(set(self._kept()) - self.durable)
 
     def _check_open(self) -> None:
         """Called before every remote call that starts an upload or a deletion: after close() (the run may
-        have released its Drive lease) this process must not change the remote any more."""
+        have released its Drive lease) or once the lease was taken over by another machine, this process must
+        not change the remote any more."""
         if self._closed:
+            raise _Closed
+        lost = self.lost()
+        if lost is not None:
+            if self.stopped_by is None:
+                self.stopped_by = lost
+                self.say(f"warning: stopped mirroring to {self.remote.description}: {lost}; nothing more is "
+                         f"uploaded or deleted by this process")
             raise _Closed
 
     def _run(self) -> None:
@@ -156,7 +180,9 @@ class Mirror:
             self._check_open()
             try:
                 self._upload(step, listings)
-            except StorageError as e:
+            except (StorageError, SourceUnreadable) as e:
+                if self._gone(step):  # pruned locally meanwhile: nothing to mirror, and no failure (not retried)
+                    continue
                 self.errors.append(f"step {step}: {e}")
                 self.say(f"warning: mirroring step {step} to {self.remote.description} failed: {e}")
                 break
@@ -169,6 +195,10 @@ class Mirror:
             self._prune()
         except StorageError as e:
             self.errors.append(f"pruning: {e}")
+
+    def _gone(self, step: int) -> bool:
+        """Whether local retention dropped ``step`` (its manifest goes first): its upload failing is no failure."""
+        return not paths.is_regular(self.local.root / fmt.step_dir_name(step) / fmt.MANIFEST)
 
     def _upload(self, step: int, listings: Listings) -> None:
         started = time.monotonic()
@@ -212,6 +242,7 @@ class Mirror:
         self._runs[step] = run_of(manifest)
         self._durable_at[step] = self.clock()  # on a mount: in its cache now, uploaded by Google later
         self.durable.add(step)
+        self.uploaded.add(step)
 
     def durable_at(self, step: int) -> float | None:
         """When ``step`` became durable remotely (``clock`` time; found there at start: the start), if it is."""
@@ -263,17 +294,20 @@ class Mirror:
 
         Settled: durable for at least ``remote.prune_grace_s``. Only checkpoints older than the newest settled
         one go, so one that has had time to upload always stays, and with no grace (the Drive API) this is
-        "older than the newest durable one". Runs after every pass: later submits and flush() retry it.
+        "older than the newest durable one". That anchor is a step this mirror uploaded itself (``uploaded``),
+        never one only found on the remote, and nothing at or past the newest valid local step goes: a session
+        whose cache is behind the remote leaves the remote's newer checkpoints alone. Runs after every pass:
+        later submits and flush() retry it.
         """
-        if not self.durable:
+        if not self.uploaded:
             return
         grace = float(getattr(self.remote, "prune_grace_s", 0.0))
         now = self.clock()
-        settled = [step for step in self.durable if now - self._durable_at.get(step, now) >= grace]
-        if not settled:
-            return
-        anchor = max(settled)
+        settled = [step for step in self.durable & self.uploaded if now - self._durable_at.get(step, now) >= grace]
         keep = set(self._kept())
+        if not settled or not keep:
+            return
+        anchor = min(max(settled), max(keep))
         doomed = [(step, folder) for folder in self.remote.list_checkpoints()
                   if (step := fmt.parse_step_dir(folder)) is not None and step < anchor and step not in keep
                   and self._ours(step, folder)]
@@ -290,6 +324,7 @@ class Mirror:
                 deleted = placement.make_holder(self.remote, folder, in_use[folder])
                 self.placements.held(folder, in_use[folder], deleted)
             self.durable.discard(step)
+            self.uploaded.discard(step)
             self._durable_at.pop(step, None)
 
     def _ours(self, step: int, folder: str) -> bool:

@@ -40,6 +40,44 @@ MAX_AGE_S = 6 * 24 * 3600.0  # Drive keeps a session about a week; an older reco
 EXPIRED = (404, 410)  # what Drive answers for a session it no longer knows
 
 
+class SourceUnreadable(Exception):
+    """The local file being uploaded could not be read (deleted or damaged under the upload: retention pruned its
+    checkpoint, a disk error). Not a storage error: the network is fine, and retrying cannot bring the file back,
+    so no retry policy retries it (every client's classify leaves an unknown exception alone); the caller decides
+    (tiered.Mirror skips a checkpoint pruned meanwhile)."""
+
+    def __init__(self, path: Path, error: OSError) -> None:
+        super().__init__(f"cannot read the local file {path} ({error})")
+        self.path = path
+
+
+class _LocalSource:
+    """A file handle for googleapiclient whose read errors are :class:`SourceUnreadable`, never an OSError: a
+    client classifies an OSError as a transient network error and would retry a file that is gone."""
+
+    def __init__(self, handle: Any, path: Path) -> None:
+        self._handle = handle
+        self._path = path
+
+    def _guard(self, action: Callable[[], Any]) -> Any:
+        try:
+            return action()
+        except OSError as e:
+            raise SourceUnreadable(self._path, e) from e
+
+    def read(self, size: int = -1) -> bytes:
+        return self._guard(lambda: self._handle.read(size))
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._guard(lambda: self._handle.seek(offset, whence))
+
+    def tell(self) -> int:
+        return self._guard(self._handle.tell)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+
 def check_chunk_size(size: int) -> int:
     """``size`` if Drive accepts it as a chunk size, else ValueError naming valid ones."""
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0 or size % QUANTUM:
@@ -190,7 +228,8 @@ class ResumableUpload:
         self.resumed_from = None
         with paths.open_regular(source) as handle:
             stat = os.fstat(handle.fileno())
-            media = MediaIoBaseUpload(handle, "application/octet-stream", chunksize=self.chunk_size, resumable=True)
+            media = MediaIoBaseUpload(_LocalSource(handle, source), "application/octet-stream",
+                                      chunksize=self.chunk_size, resumable=True)
             record = self.records.load(folder, name)
             if record is not None and (not record.same_source(source, stat) or record.target.parent_id != parent_id):
                 self.records.drop(folder, name)  # the file (or the folder on Drive) changed: start over
@@ -275,6 +314,13 @@ class ResumableUpload:
                     kept = request.resumable_uri
                     self.records.save(SessionRecord(kept, str(source), stat.st_size, stat.st_mtime_ns, stat.st_ino,
                                                     target, record.created_unix if record else time.time()))
+        except SourceUnreadable:
+            # The request stopped part-way through its body: its connection is left mid-request, and the next call
+            # on it would time out (and be retried as a network error). Close it; the next call opens a fresh one.
+            close = getattr(http, "close", None)
+            if close is not None:
+                close()
+            raise
         finally:
             if body is not None and kept is not None:
                 self.records.drop(target.folder, target.name)

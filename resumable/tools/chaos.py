@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..checkpoint import CheckpointManager, checkpoints_dir
 from ..checkpoint import format as fmt
-from ..errors import EXIT_RESUME
+from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME
 from ..faults import FAULTS_ENV, Faults
 from ..reporting.metrics import read_records, without_timing
 from .chaos_drive import DriveRuns, drive_run_dir
@@ -289,7 +289,10 @@ class Chaos:
         stderr = "".join(line for _, line in lines)
         self._note_restart(kills, started, lines, stderr)
         code = proc.returncode
-        if code == 0 or (ended_by is None and code == EXIT_RESUME):  # done, or a session that ran out of time
+        # Done, or a session that ran out of time; or one whose newest checkpoint was not on Drive by its end
+        # (EXIT_NOT_DURABLE, after Drive faults): not a success, so run_interrupted starts another session, which
+        # uploads it (or trains on) and only then can end 0.
+        if code == 0 or (ended_by is None and code in (EXIT_RESUME, EXIT_NOT_DURABLE)):
             return code
         if ended_by is None or code not in exit_codes(ended_by):
             raise RuntimeError(f"training failed with exit code {code}:\n{stderr[-2000:]}")

@@ -12,7 +12,7 @@ import random
 import signal
 from dataclasses import dataclass
 
-from ..errors import EXIT_HANG, EXIT_RESUME
+from ..errors import EXIT_HANG, EXIT_NOT_DURABLE, EXIT_RESUME
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,6 @@ def exit_codes(kind: FaultKind) -> tuple[int, ...]:
     """The exit codes a session ended by ``kind`` may have (130: a second SIGINT during the final save)."""
     if kind.name == "hang":
         return (EXIT_HANG,)
-    if kind.signal in (signal.SIGTERM, signal.SIGINT):
-        return (EXIT_RESUME, -kind.signal, 130, 1)
+    if kind.signal in (signal.SIGTERM, signal.SIGINT):  # 74: stopped, but its newest checkpoint missed Drive
+        return (EXIT_RESUME, EXIT_NOT_DURABLE, -kind.signal, 130, 1)
     return (-signal.SIGKILL, -kind.signal) if kind.signal is not None else ()
