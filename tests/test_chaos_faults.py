@@ -5,6 +5,7 @@ what it cost."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,6 @@ from helpers import run
 
 from resumable.storage.gdrive import DriveLocation, GDriveStore
 from resumable.storage.tiered import durable_steps
-import random
-
 from resumable.tools.faultkinds import KINDS, draw, pool
 
 TRAIN = ["--max-steps", "200", "--batch-size", "64", "--checkpoint-steps", "10", "--log-every", "1", "--no-download"]

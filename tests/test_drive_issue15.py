@@ -17,9 +17,9 @@ from resumable.checkpoint import CheckpointManager, checkpoints_dir, fingerprint
 from resumable.checkpoint import format as fmt
 from resumable.cli import main
 from resumable.errors import RunDirInUse
+from resumable.storage.durable import remote_manifest
 from resumable.storage.gdrive import DriveLocation, GDriveStore
 from resumable.storage.lease import LEASE, DriveLease
-from resumable.storage.placement import remote_body
 from resumable.storage.retry import RetryPolicy, TransientStorageError
 from resumable.storage.tiered import Mirror, durable_steps, restore_newest
 
@@ -207,13 +207,12 @@ def _drive_cli(fake: FakeDrive, monkeypatch: pytest.MonkeyPatch, *args: str):  #
     return CliRunner().invoke(main, list(args))
 
 
-def _record_md5(fake: FakeDrive, manager: CheckpointManager, tmp_path: Path, step: int) -> None:
-    """Upload step's manifest with the md5 of each file (what the mirror records, see placement.remote_body)."""
+def _without_md5(fake: FakeDrive, manager: CheckpointManager, step: int) -> None:
+    """Upload step's local manifest over the mirror's, which records Drive's md5 of each file: the remote manifest
+    as earlier versions wrote it (sizes and sha256 only)."""
     folder = fmt.step_dir_name(step)
-    local = fmt.read_manifest(manager.root / folder)
-    md5 = {name: hashlib.md5((manager.root / folder / name).read_bytes()).hexdigest() for name in local["files"]}
-    fmt.write_json_atomic(tmp_path / "manifest.json", remote_body(local, {}, md5))
-    store(fake).put_file(folder, fmt.MANIFEST, tmp_path / "manifest.json")
+    assert any("md5" in e for e in remote_manifest(store(fake), folder, manager.root)["files"].values())
+    store(fake).put_file(folder, fmt.MANIFEST, manager.root / folder / fmt.MANIFEST)
 
 
 def _corrupt(fake: FakeDrive, manager: CheckpointManager, step: int) -> str:
@@ -230,7 +229,7 @@ def _corrupt(fake: FakeDrive, manager: CheckpointManager, step: int) -> str:
 def test_verify_checks_a_drive_run_dir_without_downloading(fake: FakeDrive, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     manager = mirrored_run(fake, tmp_path / "run", [1, 2])
-    _record_md5(fake, manager, tmp_path, 2)
+    _without_md5(fake, manager, 1)
     result = _drive_cli(fake, monkeypatch, "verify", "gdrive://root/runs/t")
     assert result.exit_code == 0, result.output
     assert "step 1: ok (sizes checked" in result.output and "step 2: ok (sizes and md5 checked)" in result.output
@@ -247,6 +246,7 @@ def test_verify_checks_a_drive_run_dir_without_downloading(fake: FakeDrive, tmp_
 def test_verify_deep_hashes_what_drive_holds(fake: FakeDrive, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     manager = mirrored_run(fake, tmp_path / "run", [1])
+    _without_md5(fake, manager, 1)
     name = _corrupt(fake, manager, 1)
     shallow = _drive_cli(fake, monkeypatch, "verify", "gdrive://root/runs/t")
     assert shallow.exit_code == 0 and "sizes checked" in shallow.output  # no md5 recorded: a size check passes
@@ -257,7 +257,7 @@ def test_verify_deep_hashes_what_drive_holds(fake: FakeDrive, tmp_path: Path,
 def test_inspect_says_what_was_checked_and_deep_hashes(fake: FakeDrive, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     manager = mirrored_run(fake, tmp_path / "run", [1, 2])
-    _record_md5(fake, manager, tmp_path, 2)
+    _without_md5(fake, manager, 1)
     text = _drive_cli(fake, monkeypatch, "inspect", "gdrive://root/runs/t").output
     assert "durable on Drive (sizes and md5 checked)" in text, text
     data = json.loads(_drive_cli(fake, monkeypatch, "inspect", "--json", "gdrive://root/runs/t").output)

@@ -24,12 +24,13 @@ def fake():
         assert not server.server_errors, server.server_errors
 
 
-def _mirror_all(fake: FakeDrive, root: Path, steps: list[int]) -> None:
+def _mirror_all(fake: FakeDrive, root: Path, steps: list[int]) -> CheckpointManager:
     local = _local_checkpoints(root, steps)
     mirror = Mirror(local, store(fake), root, print)
     mirror.submit(steps[-1])
     assert mirror.flush(30) == []
     mirror.close()
+    return local
 
 
 def _damage(fake: FakeDrive, folder: str | None = None) -> list[str]:
@@ -65,15 +66,31 @@ def test_a_download_damaged_in_transit_is_fetched_again(fake: FakeDrive, tmp_pat
     assert (tmp_path / "vm2" / "metrics.jsonl").read_text() == '{"step": 1}\n', "the log came back undamaged"
 
 
-def test_a_checkpoint_damaged_on_drive_falls_back_to_the_older_one(fake: FakeDrive, tmp_path: Path) -> None:
-    _mirror_all(fake, tmp_path / "vm1", [1, 2])
+@pytest.mark.parametrize("md5_recorded", [True, False])
+def test_a_checkpoint_damaged_on_drive_falls_back_to_the_older_one(fake: FakeDrive, tmp_path: Path,
+                                                                    md5_recorded: bool) -> None:
+    local = _mirror_all(fake, tmp_path / "vm1", [1, 2])
+    if not md5_recorded:  # a manifest as earlier versions wrote it (no md5s): damage shows once downloaded
+        store(fake).put_file("step-000000002", "manifest.json", local.root / "step-000000002" / "manifest.json")
     assert _damage(fake, "step-000000002")
+    with fake.lock:
+        folder_id = next(f.id for f in fake.files.values() if f.title == "step-000000002")
+        shards = {f.id for f in fake.files.values() if f.parents == [folder_id] and f.title.startswith("shard-")}
+        seen = len(fake.requests)
+    before = _snapshot(fake)
     said: list[str] = []
     fresh = CheckpointManager(checkpoints_dir(tmp_path / "vm2"))
     assert restore_newest(store(fake), fresh, tmp_path / "vm2", said.append) == 1
-    assert any("step-000000002" in line and "does not verify after 2 downloads" in line for line in said), said
+    with fake.lock:
+        fetched = [p for _, p in fake.requests[seen:] if "alt=media" in p and p.split("/")[4].split("?")[0] in shards]
+    if md5_recorded:  # Drive's md5 disagrees with the one recorded at upload: skipped without a download
+        assert any("step-000000002" in line and "corrupt" in line for line in said), said
+        assert fetched == []
+    else:  # only the sha256 check of the downloaded bytes sees it, downloaded twice in case it was the transfer
+        assert any("step-000000002" in line and "does not verify after 2 downloads" in line for line in said), said
+        assert len(fetched) == 2 * len(shards), fetched
     assert [i.step for i in fresh.inspect()] == [1], "the damaged step left nothing behind in the cache"
-    assert durable_steps(store(fake), tmp_path) == [1, 2], "nothing was deleted on Drive"
+    assert _snapshot(fake) == before, "nothing was changed on Drive"
 
 
 def test_every_checkpoint_damaged_refuses_to_start_fresh(fake: FakeDrive, tiny_mnist: Path, tmp_path: Path,

@@ -414,7 +414,7 @@ def test_api_behaviour_knobs_short_pages_lag_lost_answers_corrupt_downloads(fake
     assert drive.CreateFile({"id": young["id"]}).GetContentString() == "young"
     fake.list_lag_s = 0.0
     fake.inject("lost", match="DELETE")  # the delete is applied, its answer lost
-    with pytest.raises(Exception):
+    with pytest.raises(ConnectionResetError):  # the answer never comes: the client sees a reset
         drive.CreateFile({"id": young["id"]}).Delete()
     assert young["id"] not in fake.files
     fake.corrupt_first_download = True

@@ -236,7 +236,7 @@ class Mirror:
         # back (metrics) or purged (TensorBoard) on resume. The sessions log is the run's history.
         for log_folder, path in run_logs(self.run_dir):
             self._put_log(log_folder, path)
-        body = placement.remote_body(manifest, reused)
+        body = placement.remote_body(manifest, reused, md5)  # Drive's md5s: later checks compare without downloading
         self._put_manifest(folder, body if body is not manifest else None, source / fmt.MANIFEST)
         self.placements.learn(folder, body, True, md5)
         self._runs[step] = run_of(manifest)
