@@ -217,6 +217,26 @@ def test_quota_exceeded_keeps_training_state_committed_locally(fake: FakeDrive, 
     assert CheckpointManager(checkpoints_dir(cache)).latest_valid()[0].step == 4
 
 
+def kill_once_durable(fake: FakeDrive, args: list[str], step: int, scratch: Path, settle_s: float = 0.0) -> int:
+    """Train ``args`` on the fake, SIGKILL it once a checkpoint at ``step`` or later is durable on Drive (listed
+    ``settle_s`` after the kill) and return the newest durable step, asserted to be before the run's end (120)."""
+    proc = subprocess.Popen(command() + args, env=env(**drive_env(fake)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    s = store(fake)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        steps = durable_steps(s, scratch)
+        if steps and steps[-1] >= step:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    _, stderr = proc.communicate()
+    time.sleep(settle_s)
+    killed_at = durable_steps(s, scratch)[-1]
+    assert step <= killed_at < 120, f"the kill must land mid-run (durable step {killed_at}):\n{stderr[-3000:]}"
+    return killed_at
+
+
 def test_kill_delete_cache_resume_from_drive_is_identical(fake: FakeDrive, tiny_mnist: Path,
                                                           tmp_path: Path) -> None:
     extra = ["--epochs", "20", "--checkpoint-steps", "10", "--log-every", "1"]
@@ -224,19 +244,8 @@ def test_kill_delete_cache_resume_from_drive_is_identical(fake: FakeDrive, tiny_
     assert reference.returncode == 0, reference.stderr
     cache = tmp_path / "cache"
     args = _train_args("gdrive://root/runs/t", tiny_mnist, *extra, "--cache-dir", str(cache))
-    proc = subprocess.Popen(command() + args, env=env(**drive_env(fake)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
     s = store(fake)
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        steps = durable_steps(s, tmp_path)
-        if steps and steps[-1] >= 20:
-            break
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    _, stderr = proc.communicate()
-    killed_at = durable_steps(s, tmp_path)[-1]
-    assert 20 <= killed_at < 120, f"the kill must land mid-run (durable step {killed_at}):\n{stderr[-3000:]}"
+    kill_once_durable(fake, args, 20, tmp_path)
     shutil.rmtree(cache)  # a fresh VM: nothing local survives
     final = run(args, **drive_env(fake))
     assert final.returncode == 0, final.stderr

@@ -13,7 +13,6 @@ one, and file names from it or from a listing must be plain names (checkpoint/pa
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -28,7 +27,7 @@ from ..reporting.history import SESSIONS
 from ..reporting.tensorboard import TENSORBOARD_DIR
 from . import placement
 from .base import RemoteFile, RemoteStore, run_of, same_run
-from .durable import describe_remote, durable_steps, remote_checkpoints, remote_manifest
+from .durable import describe_remote, durable_steps, md5_of, remote_checkpoints, remote_manifest
 from .pace import UploadPace
 from .placement import Listings, Placements
 from .restore import METRICS, restore_newest
@@ -47,14 +46,6 @@ def run_logs(run_dir: Path) -> list[tuple[str, Path]]:
         logs += [(TENSORBOARD_DIR, path) for path in sorted(board.iterdir())]
     # Regular files only (lstat): a symlinked log would upload someone else's file, a FIFO would hang.
     return [(folder, path) for folder, path in logs if paths.is_regular(path)]
-
-
-def md5_file(path: Path) -> str:
-    digest = hashlib.md5(usedforsecurity=False)
-    with paths.open_regular(path) as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class _Closed(Exception):
@@ -286,7 +277,7 @@ class Mirror:
         size = path.stat().st_size
         if got.size != size:
             raise StorageError(f"{name}: remote has {got.size} bytes, local {size}")
-        if got.md5 is not None and got.md5 != md5_file(path):
+        if got.md5 is not None and got.md5 != md5_of(path):
             raise StorageError(f"{name}: remote md5 {got.md5} does not match the local file")
 
     def _prune(self) -> None:
