@@ -61,6 +61,8 @@ def test_kill_fresh_vm_identical_with_every_drive_behaviour_on(fake: FakeDrive, 
     fake.add_file("sessions.jsonl", b"not json\n", run_folder, modified="2000-01-01T00:00:00.000Z")
     fake.add_file("lease.json", b'{"pid": 1, "host": "old-vm"}', run_folder, modified="2000-01-01T00:00:00.000Z")
     fake.corrupt_first_download = True
+    fake.inject("lost", count=1, match="DELETE")  # and in the fresh VM's session too: a lost delete, two 503s
+    fake.inject("503", count=2, match="upload_id=", skip=2)
     shutil.rmtree(cache)  # a fresh VM: nothing local survives
     final = run(args, **drive_env(fake))
     assert final.returncode == 0, final.stderr
@@ -77,5 +79,7 @@ def test_kill_fresh_vm_identical_with_every_drive_behaviour_on(fake: FakeDrive, 
         paged = sum("pageToken=" in target for _, target in fake.requests)
     twins = {key: n for key, n in _titles_per_folder(fake).items() if n > 1}
     assert twins == {}, f"same-titled files left on Drive: {twins}"
+    mirrored = next(line for line in final.stderr.splitlines() if "mirrored to" in line)
+    assert "call(s) retried after transient errors" in mirrored, mirrored  # the 503s at least
     print(f"killed at durable step {killed_at}; lost answers {lost}; {len(corrupted)} downloads damaged in transit; "
-          f"{paged} follow-up pages listed")
+          f"{paged} follow-up pages listed; after the fresh VM: {mirrored}")

@@ -49,8 +49,15 @@ def close_mirror(mirror: Mirror, flush_timeout: str, interrupted: bool, budget: 
         log.info(f"mirrored to {mirror.remote.description}: newest durable checkpoint step {max(mirror.durable)}, "
                  f"{mirror.bytes / 1e6:.1f} MB uploaded in {mirror.upload_s:.1f}s"
                  + (f" ({mirror.reused_bytes / 1e6:.1f} MB of unchanged shards already there, not sent again)"
-                    if mirror.reused_bytes else ""))
+                    if mirror.reused_bytes else "") + _retried(mirror))
     return _report_durability(mirror)
+
+
+def _retried(mirror: Mirror) -> str:
+    """How many calls to the remote this session retried (rate limits, 5xx, resets, timeouts), if any."""
+    policy = getattr(mirror.remote, "policy", None)
+    retries = getattr(policy, "retries", 0)
+    return f"; {retries} call(s) retried after transient errors" if retries else ""
 
 
 def _report_durability(mirror: Mirror) -> bool:
