@@ -19,7 +19,7 @@ from .config import AMP_MODES, DEVICES, LR_SCHEDULES, SEED_MAX, TrainConfig, par
 _CONFIG_OPTIONS = ("run_dir", "data_dir", "epochs", "max_steps", "batch_size", "lr", "seed", "device",
                    "lr_schedule", "amp", "checkpoint_steps", "checkpoint_every", "mtbf", "time_limit",
                    "sync_checkpoints", "on_save_error",
-                   "keep", "keep_best", "log_every", "tensorboard", "download", "progress", "cache_dir",
+                   "keep", "keep_best", "log_every", "tensorboard", "wandb", "download", "progress", "cache_dir",
                    "drive_credentials", "drive_flush_timeout", "store_frozen", "shard_size", "staging_memory",
                    "hang_timeout")
 
@@ -156,6 +156,9 @@ def _fail(message: str) -> None:
               help="Start even when the last 3 sessions all failed from the same step (otherwise exit 77).")
 @click.option("--tensorboard", is_flag=True, default=TrainConfig.tensorboard,
               help="Also write TensorBoard events to RUN_DIR/tensorboard (pip install 'resumable[tensorboard]').")
+@click.option("--wandb", metavar="PROJECT", default=None,
+              help="Also log the metrics to Weights & Biases project PROJECT: one W&B run across every session "
+              "(pip install 'resumable[wandb]'; WANDB_MODE=offline works).")
 @click.option("--download/--no-download", default=TrainConfig.download, show_default=True,
               help="Download MNIST when the files are missing.")
 @click.option("--progress/--no-progress", default=TrainConfig.progress, show_default=True,

@@ -27,7 +27,8 @@ DURATION_MAX_S = 366 * 24 * 3600.0
 # Fields whose change alters the computation; checked against the checkpoint on resume.
 COMPUTATION_FIELDS = ("task", "batch_size", "seed", "lr", "lr_schedule", "amp")
 # Fields that belong to one invocation and are never inherited from a checkpoint.
-SESSION_FIELDS = ("run_dir", "progress", "download", "time_limit", "cache_dir", "drive_credentials", "tensorboard")
+SESSION_FIELDS = ("run_dir", "progress", "download", "time_limit", "cache_dir", "drive_credentials", "tensorboard",
+                  "wandb")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class RunOptions:
     log_every: int = 10
     progress: bool = True
     tensorboard: bool = False
+    wandb: str | None = None  # a W&B project: log the records there, one W&B run across sessions
     store_frozen: bool = False  # store frozen tensors too (default: recorded by fingerprint, not written)
     shard_size: str = "256MB"  # the most tensor bytes per safetensors file of a checkpoint
     staging_memory: str | None = None  # host memory for asynchronous saves; None: half of the free memory
@@ -84,6 +86,8 @@ class RunOptions:
                  self.checkpoint_steps, "must be at least 1")
         _require(self.keep >= 1, "keep", self.keep, "must be at least 1 (the newest checkpoint is always kept)")
         _require(self.log_every >= 1, "log_every", self.log_every, "must be at least 1")
+        _require(self.wandb is None or (isinstance(self.wandb, str) and self.wandb.strip() != ""), "wandb",
+                 self.wandb, "must be a W&B project name")
 
     @property
     def checkpoint_every_s(self) -> float | None:

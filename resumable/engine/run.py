@@ -48,6 +48,7 @@ from ..reporting.reporters import (
     TensorBoardReporter,
 )
 from ..reporting.tensorboard import TensorBoardLog
+from ..reporting.wandb import WANDB_ID, WandbReporter, choose_id, require_wandb
 from ..storage.tiered import Mirror
 from . import active, determinism
 from .arguments import as_source, budget, device_of, json_value, plain_module, triggers
@@ -65,6 +66,17 @@ from .verify import StepWatch, check_schedulers
 from .watchdog import Watchdog, start_watchdog
 
 _BUILT_IN = ("model", "optimizer", "scheduler", "scaler", "sampler")
+
+
+def tracker_of(tracker: Any, project: str | None) -> Any:
+    """``tracker`` checked: None (W&B on when a ``wandb`` project is given), ``"wandb"`` or a W&B run object."""
+    if tracker is None and project is not None:
+        tracker = "wandb"
+    if tracker == "wandb":
+        require_wandb()  # exit 2 with the fix before anything starts
+    elif tracker is not None and not (callable(getattr(tracker, "log", None)) and hasattr(tracker, "id")):
+        raise ValueError(f"tracker={tracker!r} must be 'wandb' or a W&B run (wandb.init(...)); None for none")
+    return tracker
 
 
 class Run:
@@ -109,13 +121,14 @@ class Run:
                  computation: Mapping[str, Any] | None = None, settings: Mapping[str, Any] | None = None,
                  prepared: tuple[RunDir, Choice] | None = None, faults: Faults | None = None,
                  allow_data_change: bool = False, resume_from: int | None = None, ignore_crash_loop: bool = False,
-                 **options: Any) -> None:
+                 tracker: Any = None, **options: Any) -> None:
         if resume not in ("auto", "must", "never"):
             raise ValueError(f"resume={resume!r} must be auto, must or never")
         if accumulate < 1:
             raise ValueError(f"accumulate={accumulate} must be at least 1")
         self.run_dir = str(run_dir)
         self.options = RunOptions(epochs=epochs, **options)
+        self._tracker = tracker_of(tracker, self.options.wandb)  # None, "wandb" or a W&B run object
         self.model = model
         self.optimizer = optimizer
         loader = {"num_workers": num_workers, "collate_fn": collate_fn, "pin_memory": pin_memory,
@@ -253,7 +266,7 @@ class Run:
                                                                            faults=self.faults), self.faults),
             self._objects, self.state,
             meta={"config": self.settings, "computation": self.computation, "device": str(self.device),
-                  "world_size": self.dist.world_size, "run_id": choice.run_id},
+                  "world_size": self.dist.world_size, "run_id": choice.run_id, **self._tracking(choice)},
             keep=self.options.keep, keep_best=self.options.keep_best,
             writer=CheckpointWriter(asynchronous=not self.options.sync_checkpoints),
             before_commit=lambda: self._report.before_commit(),
@@ -301,11 +314,20 @@ class Run:
             log.info("the model was in eval mode; training it in train mode (model.train())")
             self.model.train()
 
+    def _tracking(self, choice: Choice) -> dict[str, Any]:
+        """The W&B run id for the manifests (reporting/wandb.py): kept out of ``computation``, so it never
+        blocks a resume."""
+        self._wandb_id = choose_id(choice.latest.manifest if choice.latest is not None else None, self._tracker)
+        return {WANDB_ID: self._wandb_id} if self._wandb_id is not None else {}
+
     def _reporters(self, rundir: RunDir) -> Reporters:
         main = self.dist.main
         reporters: list[Reporter] = [MetricsReporter(self._metrics)]
         if self.options.tensorboard and main:
             reporters.append(TensorBoardReporter(TensorBoardLog(rundir.local)))
+        if self._tracker is not None and main:
+            reporters.append(WandbReporter(self._wandb_id, self.options.wandb, rundir.local, rundir.local / METRICS,
+                                           self.settings, run=None if self._tracker == "wandb" else self._tracker))
         if self.options.progress and main:
             reporters.append(ProgressReporter())
         reporters.append(ConsoleReporter())
