@@ -90,11 +90,17 @@ def _wait_for(proc: subprocess.Popen, condition, timeout: float = 180) -> bool:
     raise AssertionError("timed out waiting for the training process")
 
 
-def test_two_sigkills_one_wandb_run_with_the_records_of_metrics_jsonl(tiny_mnist: Path, tmp_path: Path) -> None:
+# buffered: wandb's default, a killed session's records never reach its file (all come from metrics.jsonl);
+# flushed: its file is written every 0.1 s, so it holds rows past the resumed checkpoint (skipped, not resent).
+@pytest.mark.parametrize("flush", ["buffered", "flushed"])
+def test_two_sigkills_one_wandb_run_with_the_records_of_metrics_jsonl(tiny_mnist: Path, tmp_path: Path,
+                                                                      flush: str) -> None:
     seed = int(os.environ.get("RESUMABLE_KILL_SEED", random.SystemRandom().randrange(2**31)))
     print(f"kill seed {seed} (replay with RESUMABLE_KILL_SEED={seed})")
     rng = random.Random(seed)
     run_dir, extra = tmp_path / "run", _wandb_env(tmp_path)
+    if flush == "flushed":
+        extra["WANDB_X_TRANSACTION_LOG_FLUSH_INTERVAL"] = "0.1"
     target, kills = 0, []
     for _ in range(2):
         target = max(target + rng.randint(2, 8), 5)  # past the first checkpoint (step 4)
@@ -211,3 +217,18 @@ def test_api_takes_a_wandb_run_object_and_records_its_id(tmp_path: Path, monkeyp
     rows = _rows(_offline_files(tmp_path))
     assert [r["_step"] for r in rows] == [1, 2, 3, 4, 5, 100]
     _assert_wandb_equals_metrics(tmp_path / "run", rows[:-1])
+
+
+def test_a_failing_wandb_never_stops_training(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    class Down:  # a W&B run whose service died: every log raises wandb's own error
+        id, starting_step = "down1234", 0
+        settings = type("Settings", (), {"mode": "online"})()
+
+        def log(self, row, step):  # noqa: ANN001
+            raise wandb.errors.CommError("wandb-core is gone")
+
+    run = _api_run(tmp_path / "run", tracker=Down(), epochs=1)
+    assert run.finished and _max_logged_step(tmp_path / "run") == 5
+    assert _manifest_ids(tmp_path / "run") == {"down1234"}
+    assert "W&B log failed: CommError: wandb-core is gone" in caplog.text
+    assert "training and checkpoints go on" in caplog.text
