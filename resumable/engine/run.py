@@ -101,7 +101,9 @@ class Run:
     when the last sessions all failed from the same step (engine/crashloop.py: otherwise :class:`CrashLoop`, exit
     77). ``hang_timeout`` (``"auto"``, a duration or ``"off"``): engine/watchdog.py. Other keyword arguments are
     :class:`~resumable.config.RunOptions` (``max_steps``, ``checkpoint_every="5m"``, ``checkpoint_steps``,
-    ``time_limit``, ``keep``, ``tensorboard``, ``cache_dir``...).
+    ``time_limit``, ``keep``, ``tensorboard``, ``cache_dir``...). ``tracker="wandb"`` (or ``wandb="project"``)
+    logs the records to one Weights & Biases run across sessions; a W&B run object is logged to as it is
+    (reporting/wandb.py).
 
     For tools built on the engine (``resumable-train``): ``computation`` replaces what a checkpoint must
     match, ``settings`` what each manifest records as the run's options, ``prepared`` an already opened
