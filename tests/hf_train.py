@@ -21,11 +21,8 @@ import sys
 import time
 
 import torch
-
-torch.set_num_threads(1)  # CPU float reductions depend on the thread count
-
-from torch.utils.data import Dataset  # noqa: E402
-from transformers import (  # noqa: E402
+from torch.utils.data import Dataset
+from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
     Trainer,
@@ -33,10 +30,10 @@ from transformers import (  # noqa: E402
     TrainingArguments,
     set_seed,
 )
-from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint
 
-from resumable.checkpoint.format import fingerprint  # noqa: E402
-from resumable.integrations.transformers import ResumableCallback  # noqa: E402
+from resumable.checkpoint.format import fingerprint
+from resumable.integrations.transformers import ResumableCallback
 
 SAMPLES = 64
 
@@ -96,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pause-before-commit", type=int, default=None)
     parser.add_argument("--result", default=None)
     options = parser.parse_args(argv)
+    torch.set_num_threads(1)  # CPU float reductions depend on the thread count: the same in every run
     slow = Slow(options.step_sleep, options.pause_before_commit)
     if options.no_callback:
         trainer = build(options.output_dir, options.max_steps, options.save_steps, options.limit, [slow])
