@@ -148,7 +148,10 @@ class ResumableCallback(TrainerCallback):
                 link.start(self.run_id)
                 # the final checkpoint must be on Drive, not only on this disk, before the VM goes
                 self.budget.durable_s = lambda: link.mirror.pace.durable_s() if link.mirror is not None else 0.0
+        if self._stop is not None:  # a previous train() raised before on_train_end: its handlers go first
+            self._stop.__exit__(None, None, None)
         self._stop = StopFlag().__enter__()
+        self.stopped_early, self.exit_code = None, 0  # the same callback may serve another train() call
         self._step_at = time.monotonic()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
