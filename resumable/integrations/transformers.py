@@ -1,0 +1,238 @@
+"""Hugging Face ``Trainer`` runs that survive being killed: the three lines a training script adds.
+
+>>> callback = ResumableCallback(time_limit="2h", drive="gdrive://root/runs/gpt2")  # doctest: +SKIP
+>>> trainer = Trainer(model, args, train_dataset=data, callbacks=[callback])  # doctest: +SKIP
+>>> trainer.train(resume_from_checkpoint=callback.latest_valid(args.output_dir))  # doctest: +SKIP
+>>> sys.exit(callback.exit_code)  # 75: stopped early with the state committed, run again  # doctest: +SKIP
+
+What the callback adds to the Trainer's own checkpoints:
+
+* **Commit.** Each ``checkpoint-N`` the Trainer saves gets resumable's ``manifest.json`` (size and sha256 of every
+  file, written last and atomically, after the files were fsynced; ``on_save`` runs after the save). A folder
+  without one, or with a file that does not match it, is never resumed from: :func:`latest_valid` skips it with the
+  reason and takes the next older one, as ``resumable-train`` does.
+* **Retention after the commit.** The Trainer's own ``save_total_limit`` rotation runs inside the save, *before*
+  ``on_save``, ordered by mtime, and counts half-written folders: with ``save_total_limit=1`` a kill right after it
+  leaves no committed checkpoint at all. The callback takes the limit over (the Trainer's is set to None at
+  ``on_train_begin``) and prunes by step number only after a commit, manifest first; the best checkpoint stays.
+* **Stop in time.** SIGTERM, SIGINT (the notebook's stop button), SIGUSR1, SIGHUP and the session budget (Colab's
+  ~12 h VM lifetime by default in Colab, or ``time_limit``) make the Trainer save and stop at the next step
+  boundary; the checkpoint is committed and :attr:`ResumableCallback.exit_code` is 75. A second Ctrl-C stops at
+  once (the last committed checkpoint stays valid).
+* **Drive.** With ``drive=`` (``gdrive://...`` or a mounted ``/content/drive/...`` folder) committed checkpoints are
+  uploaded in the background (hf_drive.py), and on a fresh VM :meth:`ResumableCallback.latest_valid` first brings
+  the newest durable one back.
+
+The equivalence of a killed-and-resumed run with an uninterrupted one is the Trainer's own (it saves the RNG states
+and skips the batches already trained); README "Hugging Face Trainer" says what scripts/bench_trainer_resume.py
+measured.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import transformers
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from .. import log
+from ..config import parse_duration
+from ..engine.preemption import Budget, StopFlag, colab_default_limit_s
+from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME, NothingToResume
+from . import hf_checkpoints as hf
+from .hf_drive import DriveLink
+
+__all__ = ["ResumableCallback", "latest_valid", "restore"]
+
+
+def _seconds(value: str | float | None, name: str) -> float | None:
+    """Seconds from a number or a duration text ("90s", "5m", "1h30m"); None stays None."""
+    if value is None:
+        return None
+    seconds = parse_duration(value) if isinstance(value, str) else float(value)
+    if not seconds > 0:
+        raise ValueError(f"{name}={value!r} must be a positive number of seconds or a duration like '2h'")
+    return seconds
+
+
+def restore(output_dir: str | os.PathLike[str], drive: str, cache_dir: str | None = None,
+            credentials: str | None = None) -> int | None:
+    """Bring the newest durable checkpoint on ``drive`` back into ``output_dir`` as ``checkpoint-N`` when no local
+    one is as new (a fresh VM); returns its step, or None. Call it before ``trainer.train``."""
+    return DriveLink(output_dir, drive, cache_dir, credentials).restore()
+
+
+def latest_valid(output_dir: str | os.PathLike[str], drive: str | None = None) -> str | None:
+    """The newest committed ``checkpoint-N`` in ``output_dir`` whose every file verifies, for
+    ``trainer.train(resume_from_checkpoint=...)``; None when there is none (a fresh start). Newer folders are
+    skipped with the reason ("skipping checkpoint-N (...): no manifest.json (the save did not finish)").
+
+    ``drive``: first bring Drive's newest durable checkpoint back (:func:`restore`). Raises NothingToResume when
+    there are committed checkpoints and none verifies: starting over would train over them."""
+    if drive is not None:
+        restore(output_dir, drive)
+    chosen = hf.newest_valid(output_dir)
+    if chosen is not None:
+        log.info(f"resuming from {chosen.path.name} ({chosen.path})")
+        return str(chosen.path)
+    committed = [path.name for _, path in hf.folders(output_dir) if os.path.lexists(path / "manifest.json")]
+    if committed:
+        raise NothingToResume(f"{output_dir} has committed checkpoints ({', '.join(committed)}) but none verifies; "
+                              f"refusing to start over on top of them. Delete them or use another output_dir")
+    return None
+
+
+class ResumableCallback(TrainerCallback):
+    """Commits the Trainer's checkpoints, stops it in time, mirrors it to Drive (see the module docstring).
+
+    ``time_limit``: seconds or a duration ("90m", "2h") from the callback's creation; None: Colab's VM lifetime
+    (counted from the VM's boot, less 20 min) inside Colab, no limit elsewhere. ``drive``: where committed
+    checkpoints are mirrored. ``flush_timeout``: how long the end of ``train`` waits for uploads.
+
+    After ``train`` returns: :attr:`stopped_early` (the reason, or None) and :attr:`exit_code` (0; 75 stopped early
+    with its checkpoint committed; 74 the newest checkpoint is not yet durable on Drive).
+    """
+
+    def __init__(self, time_limit: str | float | None = None, drive: str | None = None, *,
+                 flush_timeout: str | float = "10m", cache_dir: str | None = None,
+                 credentials: str | None = None) -> None:
+        limit = _seconds(time_limit, "time_limit")
+        self.budget = Budget(limit if limit is not None else colab_default_limit_s())
+        self.drive = drive
+        self.flush_timeout_s = _seconds(flush_timeout, "flush_timeout") or 0.0
+        self._drive_options = {"cache_dir": cache_dir, "credentials": credentials}
+        self.stopped_early: str | None = None
+        self.exit_code = 0
+        self.keep: int | None = None  # save_total_limit, applied after each commit
+        self.run_id: str | None = None
+        self.last_commit_s = 0.0  # how long the last commit took (hashing, fsync): the callback's cost per save
+        self._link: DriveLink | None = None
+        self._stop: StopFlag | None = None
+        self._step_at = 0.0
+        self._step_s = 0.0
+        self._save_s: float | None = None
+        self._save_began: float | None = None
+
+    # -- before train -----------------------------------------------------------------------------------
+    def _drive_link(self, output_dir: str) -> DriveLink | None:
+        if self.drive is not None and self._link is None:
+            self._link = DriveLink(output_dir, self.drive, **self._drive_options)
+        return self._link
+
+    def latest_valid(self, output_dir: str | os.PathLike[str]) -> str | None:
+        """:func:`latest_valid`, Drive's newest checkpoint brought back first when ``drive`` is set."""
+        link = self._drive_link(str(output_dir))
+        if link is not None:
+            link.restore()
+        chosen = latest_valid(output_dir)
+        if chosen is not None:
+            self.run_id = hf.check(hf.parse_folder(Path(chosen).name), Path(chosen), deep=False).manifest.get("run_id")
+        return chosen
+
+    # -- TrainerCallback ----------------------------------------------------------------------------------
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        if args.save_total_limit is not None and args.save_total_limit > 0:
+            self.keep = args.save_total_limit
+            args.save_total_limit = None  # the Trainer's rotation runs before the commit: this callback's after it
+            log.info(f"save_total_limit={self.keep} is applied by ResumableCallback after each checkpoint is "
+                     f"committed (the Trainer's own rotation runs before, and could leave none committed)")
+        self.run_id = self.run_id or _run_id_of_newest(args.output_dir) or uuid.uuid4().hex
+        if state.is_world_process_zero:
+            link = self._drive_link(args.output_dir)
+            if link is not None and link.mirror is None:
+                link.start(self.run_id)
+                # the final checkpoint must be on Drive, not only on this disk, before the VM goes
+                self.budget.durable_s = lambda: link.mirror.pace.durable_s() if link.mirror is not None else 0.0
+        if self._stop is not None:  # a previous train() raised before on_train_end: its handlers go first
+            self._stop.__exit__(None, None, None)
+        self._stop = StopFlag().__enter__()
+        self.stopped_early, self.exit_code = None, 0  # the same callback may serve another train() call
+        self._step_at = time.monotonic()
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        now = time.monotonic()
+        self._step_s, self._step_at = now - self._step_at, now
+        if state.global_step < state.max_steps and self.stopped_early is None:
+            reason = None
+            if self._stop is not None and self._stop.requested:
+                reason = f"signal {self._stop.requested}"
+            elif not self.budget.fits(self._step_s, self._save_s if self._save_s is not None else self._step_s):
+                reason = "the session's time budget is spent"
+            if reason is not None:
+                self.stopped_early = reason
+                control.should_save = True
+                control.should_training_stop = True
+                log.info(f"stopping at step {state.global_step} ({reason}): saving and committing a checkpoint")
+        if control.should_save:
+            self._before_save(args, state)
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        if control.should_save:
+            self._before_save(args, state)
+
+    def _before_save(self, args: TrainingArguments, state: TrainerState) -> None:
+        """The Trainer is about to write checkpoint-N: a manifest left there (a resume from an older checkpoint
+        writes the step again) must not vouch for the folder while its files are replaced."""
+        self._save_began = time.monotonic()
+        if state.is_world_process_zero:
+            hf.invalidate(Path(args.output_dir) / hf.folder_name(state.global_step))
+            if self._link is not None:
+                self._link.forget(state.global_step)
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        _barrier()  # every rank has written its files (rng_state_K.pth) before rank 0 vouches for them
+        step = state.global_step
+        if state.is_world_process_zero:
+            began = time.monotonic()
+            folder = Path(args.output_dir) / hf.folder_name(step)
+            manifest = hf.commit(folder, step, {"run_id": self.run_id, "source": "transformers.Trainer",
+                                                "transformers_version": transformers.__version__})
+            self.last_commit_s = time.monotonic() - began
+            if self.keep is not None:
+                best = state.best_model_checkpoint and hf.parse_folder(Path(state.best_model_checkpoint).name)
+                pruned = hf.prune(args.output_dir, self.keep, [best] if best is not None else [])
+                if self._link is not None:
+                    self._link.pruned(pruned)
+            if self._link is not None:
+                self._link.committed(step, manifest)
+        _barrier()
+        if self._save_began is not None:
+            self._save_s = time.monotonic() - self._save_began
+            self._save_began = None
+        if self.stopped_early is not None:
+            self.exit_code = EXIT_RESUME
+            log.info(f"stopped early ({self.stopped_early}): checkpoint-{step} committed. Run the same script again "
+                     f"to continue (exit code {EXIT_RESUME})")
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        if self._stop is not None:
+            self._stop.__exit__(None, None, None)
+            self._stop = None
+        if self._link is not None and self._link.mirror is not None:
+            if self._link.close(self.flush_timeout_s):
+                self.exit_code = EXIT_NOT_DURABLE
+            self._link = None
+
+
+def _run_id_of_newest(output_dir: str) -> str | None:
+    for step, path in reversed(hf.folders(output_dir)):
+        info = hf.check(step, path, deep=False)
+        if info.valid:
+            run = info.manifest.get("run_id")
+            return run if isinstance(run, str) and run else None
+    return None
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

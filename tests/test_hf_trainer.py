@@ -1,0 +1,235 @@
+"""The Hugging Face Trainer integration (resumable.integrations.transformers, issue #18): every checkpoint-N is
+committed with a manifest and pruned only after a commit; a half-written folder is never resumed from; SIGKILL
+(between saves and during one), SIGTERM and the time budget leave a committed checkpoint the run resumes from to
+the uninterrupted run's weights and per-step log; a fresh VM brings the newest durable checkpoint back from Drive.
+
+A tiny GPT-2 built from a config on synthetic tokens (tests/hf_train.py); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import env
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import hf_train  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
+
+from resumable.errors import NothingToResume  # noqa: E402
+from resumable.integrations import hf_checkpoints as hf  # noqa: E402
+from resumable.integrations.transformers import ResumableCallback, latest_valid  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parent / "hf_train.py"
+
+
+def train(output_dir: Path, *args: str, **extra_env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), str(output_dir), *args], capture_output=True, text=True,
+                          timeout=300, env=env(**extra_env), stdin=subprocess.DEVNULL)
+
+
+def start(output_dir: Path, *args: str, **extra_env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(output_dir), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env(**extra_env), stdin=subprocess.DEVNULL)
+
+
+def wait_for(proc: subprocess.Popen, ready, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + 240
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            _, err = proc.communicate()
+            pytest.fail(f"the run ended (or took too long) before {what}:\n{err[-3000:]}")
+        time.sleep(0.02)
+
+
+def committed(output_dir: Path) -> list[int]:
+    return [step for step, path in hf.folders(output_dir) if hf.check(step, path).valid]
+
+
+def result(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted run: 40 steps, a checkpoint every 5."""
+    where = tmp_path_factory.mktemp("hf-reference")
+    done = train(where / "out", "--result", str(where / "result.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return result(where / "result.json")
+
+
+def assert_same_as(reference: dict, path: Path) -> None:
+    got = result(path)
+    assert got["global_step"] == 40
+    differing = [step for step in reference["steps"] if reference["steps"][step] != got["steps"].get(step)]
+    assert not differing, f"per-step log differs from step {differing[0]}: {got['steps'][differing[0]]} vs " \
+                          f"{reference['steps'][differing[0]]}"
+    assert got["fingerprint"] == reference["fingerprint"], "final weights differ from the uninterrupted run"
+
+
+# -- in process: commit and retention ---------------------------------------------------------------------
+class SeenAtSave(TrainerCallback):
+    """Records, at each on_save, which checkpoint folders exist and which are committed."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, list[int], list[int]]] = []
+
+    def on_save(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+        out = Path(args.output_dir)
+        self.seen.append((state.global_step, [s for s, _ in hf.folders(out)], committed(out)))
+
+
+def test_each_save_is_committed_and_pruned_only_after_the_commit(tmp_path: Path) -> None:
+    before, after = SeenAtSave(), SeenAtSave()
+    callback = ResumableCallback()
+    trainer = hf_train.build(str(tmp_path / "out"), 12, 5, 1, [before, callback, after])
+    trainer.train()
+    assert trainer.args.save_total_limit is None and callback.keep == 1, "the callback applies the limit itself"
+    # Between the Trainer's save and the commit, the previous committed checkpoint is still there...
+    assert [(step, c) for step, _, c in before.seen] == [(5, []), (10, [5]), (12, [10])]
+    # ...and once the new one is committed, only it is kept.
+    assert [(step, folders, c) for step, folders, c in after.seen] == [(5, [5], [5]), (10, [10], [10]),
+                                                                       (12, [12], [12])]
+    assert callback.exit_code == 0 and callback.stopped_early is None
+    manifest = json.loads((tmp_path / "out" / "checkpoint-12" / "manifest.json").read_text())
+    assert manifest["step"] == 12 and manifest["run_id"] == callback.run_id
+    assert {"model.safetensors", "optimizer.pt", "rng_state.pth", "trainer_state.json"} <= set(manifest["files"])
+
+
+def test_the_trainers_own_rotation_deletes_the_previous_checkpoint_before_on_save(tmp_path: Path) -> None:
+    """Why the callback takes save_total_limit over: without it, rotation runs inside the save, before on_save,
+    so a kill right after it leaves only the newest folder, before anything could vouch for it."""
+    before = SeenAtSave()
+    hf_train.build(str(tmp_path / "out"), 12, 5, 1, [before]).train()
+    assert [(step, folders) for step, folders, _ in before.seen] == [(5, [5]), (10, [10]), (12, [12])]
+
+
+def test_a_half_written_or_damaged_checkpoint_is_never_chosen(tmp_path: Path, caplog) -> None:  # noqa: ANN001
+    out = tmp_path / "out"
+    hf_train.build(str(out), 15, 5, None, [ResumableCallback()]).train()
+    assert committed(out) == [5, 10, 15]
+    # a save killed half-way: some files, no manifest
+    partial = out / "checkpoint-20"
+    partial.mkdir()
+    shutil.copy(out / "checkpoint-15" / "model.safetensors", partial / "model.safetensors")
+    # bit rot in the newest committed one: same size, one byte changed
+    optimizer = out / "checkpoint-15" / "optimizer.pt"
+    data = bytearray(optimizer.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    optimizer.write_bytes(bytes(data))
+    assert get_last_checkpoint(str(out)) == str(partial), "transformers alone takes the half-written folder"
+    with caplog.at_level("WARNING", logger="resumable"):
+        assert latest_valid(out) == str(out / "checkpoint-10")
+    said = caplog.text
+    assert "skipping checkpoint-20" in said and "no manifest.json (the save did not finish)" in said
+    assert "skipping checkpoint-15" in said and "optimizer.pt does not match its sha256" in said
+    # a manifest copied into another folder does not vouch for it
+    (out / "checkpoint-10" / "manifest.json").replace(out / "checkpoint-5" / "manifest.json")
+    shutil.rmtree(out / "checkpoint-10")
+    with pytest.raises(NothingToResume, match="none verifies"):
+        latest_valid(out)
+
+
+# -- subprocesses: kills, signals, budget ----------------------------------------------------------------
+def test_sigkill_between_saves_resumes_to_the_uninterrupted_run(reference: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = start(out, "--step-sleep", "0.05")
+    wait_for(proc, lambda: 10 in committed(out), "checkpoint-10 was committed")
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL and max(committed(out)) < 40
+    resumed = train(out, "--result", str(tmp_path / "result.json"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"RESUME-FROM {out}/checkpoint-" in resumed.stdout
+    assert_same_as(reference, tmp_path / "result.json")
+
+
+def test_sigkill_during_a_save_falls_back_to_the_previous_commit(reference: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = start(out, "--pause-before-commit", "15")
+    wait_for(proc, lambda: (out / "checkpoint-15" / "trainer_state.json").exists() and proc.stdout.readline()
+             .startswith("SAVED-UNCOMMITTED"), "the Trainer saved checkpoint-15")
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert (out / "checkpoint-15").is_dir() and not (out / "checkpoint-15" / "manifest.json").exists()
+    assert committed(out) == [5, 10]
+    resumed = train(out, "--result", str(tmp_path / "result.json"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "skipping checkpoint-15" in resumed.stderr and "the save did not finish" in resumed.stderr
+    assert f"RESUME-FROM {out}/checkpoint-10" in resumed.stdout
+    assert_same_as(reference, tmp_path / "result.json")
+
+
+def test_sigterm_saves_commits_and_exits_75(reference: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = start(out, "--step-sleep", "0.1")
+    wait_for(proc, lambda: 5 in committed(out), "checkpoint-5 was committed")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 75, err[-3000:]
+    assert "stopped early (signal SIGTERM)" in err and "exit code 75" in err
+    stopped_at = max(committed(out))
+    assert 5 <= stopped_at < 40
+    state = json.loads((out / f"checkpoint-{stopped_at}" / "trainer_state.json").read_text())
+    assert state["global_step"] == stopped_at, "the checkpoint committed is the state at the stop"
+    resumed = train(out, "--result", str(tmp_path / "result.json"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"RESUME-FROM {out}/checkpoint-{stopped_at}" in resumed.stdout
+    assert_same_as(reference, tmp_path / "result.json")
+
+
+def test_the_time_budget_stops_with_75_and_a_committed_checkpoint(reference: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    # 40 steps of at least 0.1 s each cannot fit in 1 s: the budget stops it
+    stopped = train(out, "--step-sleep", "0.1", "--time-limit", "1s")
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert "time budget" in stopped.stderr
+    stopped_at = max(committed(out))
+    assert stopped_at < 40
+    assert json.loads((out / f"checkpoint-{stopped_at}" / "trainer_state.json").read_text())["global_step"] == \
+        stopped_at
+    resumed = train(out, "--result", str(tmp_path / "result.json"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_as(reference, tmp_path / "result.json")
+
+
+# -- Drive: a fresh VM ------------------------------------------------------------------------------------
+def test_a_fresh_vm_restores_from_drive_and_finishes(reference: dict, tmp_path: Path) -> None:
+    from fakedrive import FakeDrive
+    from test_drive import drive_env, store
+
+    from resumable.storage.tiered import durable_steps
+
+    with FakeDrive() as fake:
+        url = "gdrive://root/runs/hf"
+        out = tmp_path / "out"
+        s = store(fake, path="runs/hf")
+        proc = start(out, "--step-sleep", "0.05", "--drive", url, "--limit", "2", **drive_env(fake))
+        wait_for(proc, lambda: any(step >= 10 for step in durable_steps(s, tmp_path)), "step 10 was on Drive")
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+        on_drive = durable_steps(s, tmp_path)
+        assert on_drive and max(on_drive) < 40
+        shutil.rmtree(out)  # a fresh VM: nothing local survives
+        resumed = train(out, "--drive", url, "--limit", "2", "--result", str(tmp_path / "result.json"),
+                        **drive_env(fake))
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert f"restored checkpoint-{max(on_drive)}" in resumed.stderr
+        assert f"RESUME-FROM {out}/checkpoint-{max(on_drive)}" in resumed.stdout
+        assert_same_as(reference, tmp_path / "result.json")
+        assert durable_steps(s, tmp_path) == [35, 40], "Drive keeps what local retention keeps"
+        assert not fake.server_errors, fake.server_errors
+    assert os.path.isdir(out / ".resumable")
