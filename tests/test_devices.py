@@ -174,7 +174,8 @@ def test_bf16_checkpoint_under_amp_auto_switches_to_fp16_loudly_and_records_it(
     assert scaler is not None and scaler["scale"] > 0  # the fresh GradScaler is checkpointed from now on
     from resumable.reporting.history import read_sessions
 
-    assert read_sessions(tmp_path)[-1].amp_switch == switch and read_sessions(tmp_path)[-1].device == "cpu"
+    last = read_sessions(tmp_path)[-1]
+    assert last.amp_switch == switch and last.device == "cuda (Tesla T4, sm_75)"  # the label is patched as a T4's
     # The next session continues in fp16 (the checkpoint's own choice now): no second switch.
     output = train(tmp_path, tiny_mnist, "--max-steps", "10", "--amp", "auto")
     assert "Switching" not in output and "amp_switch" not in starts(tmp_path)[-1] and "done at step 10" in output
