@@ -112,8 +112,9 @@ class Run:
                  config: Mapping[str, Any] | None = None, resume: str = "auto", overwrite: bool = False,
                  computation: Mapping[str, Any] | None = None, settings: Mapping[str, Any] | None = None,
                  prepared: tuple[RunDir, Choice] | None = None, faults: Faults | None = None,
+                 amp: str | None = None, amp_switch: Mapping[str, Any] | None = None,
                  allow_data_change: bool = False, resume_from: int | None = None, ignore_crash_loop: bool = False,
-                 amp: str | None = None, amp_switch: Mapping[str, Any] | None = None, **options: Any) -> None:
+                 **options: Any) -> None:
         if resume not in ("auto", "must", "never"):
             raise ValueError(f"resume={resume!r} must be auto, must or never")
         if accumulate < 1:
@@ -258,8 +259,7 @@ class Run:
                                                                            faults=self.faults), self.faults),
             self._objects, self.state,
             meta={"config": self.settings, "computation": self.computation, "device": str(self.device),
-                  "world_size": self.dist.world_size, "run_id": choice.run_id, **hardware.describe(self.device),
-                  **({"amp_dtype": self.amp} if self.amp is not None else {})},
+                  "world_size": self.dist.world_size, "run_id": choice.run_id},
             keep=self.options.keep, keep_best=self.options.keep_best,
             writer=CheckpointWriter(asynchronous=not self.options.sync_checkpoints),
             before_commit=lambda: self._report.before_commit(),
@@ -269,6 +269,10 @@ class Run:
         for setting in determinism.set_cheap_defaults():  # before the checkpoint's settings are compared
             log.info(f"set {setting} for deterministic cuBLAS (see README: bit-identical resumes)")
         check_schedulers(self._objects, resuming=choice.latest is not None)  # the same on every rank
+        # where this session trains (engine/hardware.py): recorded in each manifest, compared at a resume
+        self._checkpointer.meta.update(hardware.describe(self.device))
+        if self.amp is not None:
+            self._checkpointer.meta["amp_dtype"] = self.amp
         switch = self.amp_switch
         if switch:
             self._checkpointer.fresh = frozenset({"scaler"})
