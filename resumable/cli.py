@@ -109,7 +109,8 @@ def _fail(message: str) -> None:
 @click.option("--lr-schedule", type=click.Choice(LR_SCHEDULES), default=TrainConfig.lr_schedule,
               show_default=True, help="step: x0.7 each epoch; onecycle: OneCycleLR over the whole run.")
 @click.option("--amp", type=click.Choice(AMP_MODES), default=TrainConfig.amp, show_default=True,
-              help="Mixed precision: bf16, or fp16 with a GradScaler.")
+              help="Mixed precision: bf16, or fp16 with a GradScaler; auto: bf16 on GPUs with native bf16 (sm_80+), "
+              "fp16 on older GPUs, none on CPU (a resumed run keeps its own unless it is bf16 on an older GPU).")
 @click.option("--checkpoint-steps", type=click.IntRange(min=1), default=None,
               help="Also checkpoint every N optimizer steps (always at each epoch end and at the end).")
 @click.option("--checkpoint-every", type=Duration(allow=("auto",)), default=TrainConfig.checkpoint_every,
@@ -331,7 +332,8 @@ def inspect(run_dir: str, as_json: bool, drive_credentials: str | None, deep: bo
         click.echo(f"\n{'session':>7} {'started':>20} {'ended':>20} {'steps':>15}  how it ended")
     for s in sessions:
         steps = f"{s.start_step} → {s.end_step if s.end_step is not None else '?'}"
-        click.echo(f"{s.session:>7} {_clock(s.start):>20} {_clock(s.end):>20} {steps:>15}  {s.how}")
+        device = f" (on {s.device})" if s.device else ""
+        click.echo(f"{s.session:>7} {_clock(s.start):>20} {_clock(s.end):>20} {steps:>15}  {s.how}{device}")
 
 
 def _clock(unix: float | None) -> str:

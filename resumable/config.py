@@ -17,7 +17,8 @@ from typing import Any
 
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("none", "step", "onecycle")
-AMP_MODES = ("none", "bf16", "fp16")
+# auto: bf16 where the GPU has it natively, fp16 + GradScaler on older GPUs, none on CPU (engine/hardware.py)
+AMP_MODES = ("none", "bf16", "fp16", "auto")
 # torch takes seeds up to 2**64 - 1; 2**63 - 1 leaves room for the offset each DDP rank adds to the seed.
 SEED_MAX = 2**63 - 1
 # The longest duration accepted: far beyond any session, and well inside what threading timeouts take

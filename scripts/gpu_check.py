@@ -3,6 +3,9 @@
 1. CUDA RNG restore: capture, draw, restore, draw again → identical.
 2. AMP kill/resume equivalence on CUDA for fp16 (+ GradScaler) and bf16: an uninterrupted run vs a run
    SIGKILLed twice (once inside a checkpoint write) and resumed → identical fingerprint and metrics.
+3. A different device every session: a CPU checkpoint resumed on CUDA and back on the CPU (each resume logs the
+   one cross-device line; the CUDA RNG states are skipped on the CPU; each manifest records its device), --amp auto
+   on this GPU, and the bf16 → fp16 switch with a fresh CUDA GradScaler (the probe answers as a T4 would).
 """
 
 from __future__ import annotations
@@ -80,12 +83,83 @@ def check_amp_resume(data: str, amp: str, root: Path) -> None:
         raise SystemExit(1)
 
 
+def _manifest(run_dir: Path) -> dict:
+    from resumable.checkpoint import CheckpointManager, checkpoints_dir
+
+    return CheckpointManager(checkpoints_dir(run_dir)).latest_valid()[0].manifest
+
+
+def _session(run_dir: Path, data: str, device: str, steps: int, *extra: str) -> str:
+    args = ["--run-dir", str(run_dir), "--data-dir", data, "--device", device, "--max-steps", str(steps),
+            "--checkpoint-steps", "20", "--no-progress", "--no-download", *extra]
+    done = subprocess.run(TRAIN + args, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"FAIL {device} session of {run_dir.name}: exit {done.returncode}\n{done.stderr[-2000:]}")
+    return done.stderr
+
+
+def check_cross_device(data: str, root: Path) -> None:
+    from resumable.engine import hardware
+
+    run_dir = root / "cross-device"
+    gpu = hardware.label(hardware.describe("cuda"))
+    _session(run_dir, data, "cpu", 20)
+    assert _manifest(run_dir)["device_type"] == "cpu"
+    log = _session(run_dir, data, "cuda", 40)
+    line = f"checkpoint written on cpu, resuming on {gpu}: the run continues, but bit-identity"
+    assert log.count(line) == 1, log
+    body = _manifest(run_dir)
+    assert body["step"] == 40 and body["device_type"] == "cuda" and body["gpu_name"] and body["gpu_capability"], body
+    log = _session(run_dir, data, "cpu", 60)
+    assert log.count(f"checkpoint written on {gpu}, resuming on cpu: the run continues") == 1, log
+    # (CUDA is still available to this CPU session, so its CUDA RNG states are restored, not skipped: the skip
+    # without CUDA is tests/test_devices.py's)
+    assert _manifest(run_dir)["device_type"] == "cpu" and _manifest(run_dir)["step"] == 60
+    print(f"ok   cross-device resume cpu → {gpu} → cpu: one line each way, devices recorded")
+
+
+def check_amp_auto(data: str, root: Path) -> None:
+    """--amp auto on this GPU, then (in this process, with the probe answering as a T4) a bf16 checkpoint switched
+    to fp16 with a fresh GradScaler on CUDA."""
+    from click.testing import CliRunner
+
+    from resumable.cli import train_command
+    from resumable.engine import hardware
+
+    capability, native = hardware.probe("cuda")
+    expected = hardware.choose_amp("cuda", capability, native)
+    run_dir = root / "amp-auto"
+    _session(run_dir, data, "cuda", 20, "--amp", "auto")
+    assert _manifest(run_dir)["amp_dtype"] == expected, _manifest(run_dir)
+    print(f"ok   --amp auto on sm_{capability[0]}{capability[1]} (native bf16: {native}) picked {expected}")
+
+    switched = root / "amp-switch"
+    _session(switched, data, "cuda", 20, "--amp", "bf16")
+    real = hardware.probe
+    hardware.probe = lambda device: ((7, 5), False)
+    try:
+        result = CliRunner().invoke(train_command, ["--run-dir", str(switched), "--data-dir", data, "--device", "cuda",
+                                                    "--max-steps", "40", "--amp", "auto", "--no-progress",
+                                                    "--no-download"], catch_exceptions=False)
+    finally:
+        hardware.probe = real
+    assert result.exit_code == 0 and "Switching to fp16 with a fresh GradScaler" in result.output, result.output
+    body = _manifest(switched)
+    assert body["step"] == 40 and body["computation"]["amp"] == "fp16" and body["amp_dtype"] == "fp16", body
+    starts = [json.loads(line) for line in (switched / "sessions.jsonl").read_text().splitlines()]
+    assert [r for r in starts if r["event"] == "start"][-1]["amp_switch"]["to"] == "fp16"
+    _session(switched, data, "cuda", 60, "--amp", "auto")  # fp16 now: kept, the scaler resumes
+    print("ok   bf16 checkpoint → fp16 + fresh GradScaler on CUDA under --amp auto, recorded, and resumed again")
+
+
 def main() -> None:
     data = sys.argv[1]
     check_cuda_rng()
     with tempfile.TemporaryDirectory() as root:
         for amp in ("fp16", "bf16"):
             check_amp_resume(data, amp, Path(root))
+        check_cross_device(data, Path(root))
+        check_amp_auto(data, Path(root))
 
 
 if __name__ == "__main__":

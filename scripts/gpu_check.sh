@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks of the CUDA paths (under 8 minutes on one GPU): AMP kill/resume equivalence (fp16 +
-# GradScaler, bf16), CUDA RNG restore, pinned-memory snapshot blocked time, throughput vs the guide loop.
+# GradScaler, bf16), CUDA RNG restore, a CPU checkpoint resumed on CUDA and back, --amp auto and its bf16 -> fp16
+# switch, pinned-memory snapshot blocked time, throughput vs the guide loop.
 #   bash scripts/gpu_check.sh DATA_DIR     (DATA_DIR holds MNIST/raw/, e.g. ../shared/data/mnist-mini)
 # Without a CUDA GPU it says so and exits 0.
 set -euo pipefail

@@ -287,6 +287,15 @@ def _frozen(value: Any) -> str | None:
     return None
 
 
+def _capability(value: Any) -> str | None:
+    ok = isinstance(value, list) and len(value) == 2 and all(_integer(0, 99)(v) is None for v in value)
+    return None if ok else "must be [major, minor], two integers from 0 to 99"
+
+
+def _amp_dtype(value: Any) -> str | None:
+    return None if value in ("none", "bf16", "fp16") else "must be none, bf16 or fp16"
+
+
 def _names(value: Any) -> str | None:
     ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
     return None if ok else "must be a list of parameter names"
@@ -315,4 +324,10 @@ _FIELDS: dict[str, tuple[Check, bool]] = {
     "created": (_text, False),
     "torch_version": (_text, False),
     "python_version": (_text, False),
+    # where it was written (engine/hardware.py); absent in checkpoints before they were recorded
+    "device_type": (_text, False),
+    "gpu_name": (_text, False),
+    "gpu_capability": (_capability, False),
+    "cuda_version": (_text, False),
+    "amp_dtype": (_amp_dtype, False),
 }

@@ -22,7 +22,7 @@ from ..checkpoint.staging import Staging, default_budget
 from ..checkpoint.writer import CheckpointWriter
 from ..errors import NothingToResume, ResumableError
 from ..faults import NO_FAULTS, Faults
-from . import determinism
+from . import determinism, hardware
 from .checks import check_computation, check_loadable
 from .distributed import Distributed
 from .frozen import FrozenTensors
@@ -77,6 +77,9 @@ class Checkpointer:
         self.resumed_from: CheckpointInfo | None = None
         self.restore_cost: PeakMemory | None = None  # time and host memory the restore took
         self.verified: str | None = None  # what the verification of the last restore checked, and its time
+        # Objects a checkpoint may hold no state for (None): they keep their fresh state. The GradScaler of an AMP
+        # switch (bf16 checkpoint, fp16 session: engine/hardware.py); any other missing state is an error.
+        self.fresh: frozenset[str] = frozenset()
 
     # -- saving ------------------------------------------------------------------------------------
     def _rank_state(self) -> dict[str, Any]:
@@ -266,8 +269,9 @@ class Checkpointer:
             raise InvalidCheckpoint("payload does not match the manifest's training-state fingerprint")
         rng, counters = self._my_rank_state(payload)
         built = self.frozen.built(payload["model"] if isinstance(payload["model"], dict) else ())
+        fresh = {name for name in self.fresh if payload.get(name) is None}
         for name, obj in self.objects.items():
-            if obj is None:
+            if obj is None or name in fresh:
                 continue
             if payload[name] is None:
                 raise InvalidCheckpoint(f"checkpoint has no {name} state but this run uses one")
@@ -282,8 +286,8 @@ class Checkpointer:
         self._restore_modes(payload.get(_MODES))
         if not self.faults.skip_rng_restore:
             restore_rng(rng)  # last: loading must not consume random numbers after it
-        self.verified = verify_restored(self.objects, payload, self.state, rng,
-                                        check_rng=not self.faults.skip_rng_restore)
+        restored = {name: obj for name, obj in self.objects.items() if name not in fresh}
+        self.verified = verify_restored(restored, payload, self.state, rng, check_rng=not self.faults.skip_rng_restore)
         self.last_saved_step = info.step
         self.resumed_from = info
         self._last_size = info.size  # the free-space check has an estimate from the first save on
@@ -329,7 +333,8 @@ class Checkpointer:
                 module.training = bool(training)
 
     def resume(self, latest: CheckpointInfo, skipped: list[CheckpointInfo], computation: dict[str, Any],
-               run_dir: str, api: bool, ignore: frozenset[str] = frozenset()) -> CheckpointInfo:
+               run_dir: str, api: bool, ignore: frozenset[str] = frozenset(),
+               accept: Mapping[str, tuple[Any, Any]] | None = None) -> CheckpointInfo:
         """Restore the newest checkpoint that verifies and loads, warning about each one skipped.
 
         Under DDP every rank tries the same candidates in the same order and they agree on each one (one small
@@ -340,7 +345,7 @@ class Checkpointer:
                  if step < latest.step)
         reasons: list[str] = []
         for info in (*skipped, latest, *older):
-            problem, fatal = self._try(info, computation, run_dir, api, ignore)
+            problem, fatal = self._try(info, computation, run_dir, api, ignore, accept)
             verdicts = self.dist.all_errors(f"{'fatal' if fatal else 'skip'}:{problem}" if problem else None)
             if fatal is not None:
                 raise fatal
@@ -354,6 +359,9 @@ class Checkpointer:
                 versions = determinism.version_difference(info.manifest.get("torch_version"))
                 if versions is not None:
                     log.warning(versions)
+                moved = hardware.cross_device_line(info.manifest, self.meta)
+                if moved is not None:
+                    log.warning(moved)
                 return info
             if len(verdicts) < self.dist.world_size:
                 rank, message = verdicts[0]
@@ -368,13 +376,14 @@ class Checkpointer:
                               f"with --fresh --overwrite (which deletes them) or use another --run-dir")
 
     def _try(self, info: CheckpointInfo, computation: dict[str, Any], run_dir: str, api: bool,
-             ignore: frozenset[str]) -> tuple[str | None, ResumableError | None]:
+             ignore: frozenset[str], accept: Mapping[str, tuple[Any, Any]] | None = None,
+             ) -> tuple[str | None, ResumableError | None]:
         """Load ``info`` into every object: (why it was skipped, None), (None, None) when loaded, or (message,
         error) when resuming must stop. Never raises, so every rank reaches the agreement in :meth:`resume`."""
         if not info.valid:
             return info.reason, None
         try:
-            check_computation(info.manifest.get("computation", {}), computation, run_dir, api, ignore)
+            check_computation(info.manifest.get("computation", {}), computation, run_dir, api, ignore, accept)
             threads = info.manifest.get("num_threads")
             if isinstance(threads, int) and threads != torch.get_num_threads():
                 log.info(f"setting torch threads to {threads} (was {torch.get_num_threads()}) as recorded in the "

@@ -4,6 +4,7 @@ was written for the same computation (before a resume)."""
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -40,8 +41,14 @@ def check_loadable(name: str, state: Any) -> None:
 
 
 def check_computation(saved: dict[str, Any], current: dict[str, Any], run_dir: str, api: bool,
-                      ignore: frozenset[str] = frozenset()) -> None:
+                      ignore: frozenset[str] = frozenset(),
+                      accept: Mapping[str, tuple[Any, Any]] | None = None) -> None:
+    """Raise ConfigMismatch for the first field that differs; ``accept`` maps a field to the one change
+    ``(checkpoint's, now)`` allowed on purpose (the bf16 -> fp16 switch of ``--amp auto``)."""
     for key in sorted((set(saved) | set(current)) - ignore):
         default = "none" if key == "amp" else None  # checkpoints from before --amp existed
-        if saved.get(key, default) != current.get(key, default):
+        change = (saved.get(key, default), current.get(key, default))
+        if accept and key in accept and change == tuple(accept[key]):
+            continue
+        if change[0] != change[1]:
             raise ConfigMismatch(key, saved.get(key, default), current.get(key, default), run_dir, api=api)

@@ -50,7 +50,7 @@ from ..reporting.reporters import (
 from ..reporting.tensorboard import TensorBoardLog
 from ..reporting.wandb import WANDB_ID, WandbReporter, choose_id, require_wandb
 from ..storage.tiered import Mirror
-from . import active, determinism
+from . import active, determinism, hardware
 from .arguments import as_source, budget, device_of, json_value, plain_module, triggers
 from .checkpointer import Checkpointer
 from .data import IndexBatches
@@ -108,7 +108,11 @@ class Run:
     For tools built on the engine (``resumable-train``): ``computation`` replaces what a checkpoint must
     match, ``settings`` what each manifest records as the run's options, ``prepared`` an already opened
     run dir and its choice of checkpoint, and ``faults`` injects faults on purpose (default: none, or those
-    ``resumable chaos`` hands a child process).
+    ``resumable chaos`` hands a child process). ``amp`` (none, bf16, fp16) is the autocast dtype the loop uses,
+    recorded in each manifest as ``amp_dtype``; ``amp_switch`` (``{"from": "bf16", "to": "fp16", "why": ...}``)
+    accepts that one change of the computation's ``amp`` from the checkpoint's, starts a GradScaler the checkpoint
+    lacks fresh, and records the switch in ``sessions.jsonl`` (engine/hardware.py: ``--amp auto`` on a GPU
+    without native bf16).
     """
 
     def __init__(self, run_dir: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -122,6 +126,7 @@ class Run:
                  config: Mapping[str, Any] | None = None, resume: str = "auto", overwrite: bool = False,
                  computation: Mapping[str, Any] | None = None, settings: Mapping[str, Any] | None = None,
                  prepared: tuple[RunDir, Choice] | None = None, faults: Faults | None = None,
+                 amp: str | None = None, amp_switch: Mapping[str, Any] | None = None,
                  allow_data_change: bool = False, resume_from: int | None = None, ignore_crash_loop: bool = False,
                  tracker: Any = None, **options: Any) -> None:
         if resume not in ("auto", "must", "never"):
@@ -180,6 +185,7 @@ class Run:
         self._ended_by: str | None = None  # the exception that ended the loop from outside, if any
         self._error: str | None = None  # its type and message
         self.resume_from, self.ignore_crash_loop = resume_from, ignore_crash_loop
+        self.amp, self.amp_switch = amp, dict(amp_switch) if amp_switch else None
 
     # -- results -----------------------------------------------------------------------------------
     @property
@@ -278,12 +284,20 @@ class Run:
         for setting in determinism.set_cheap_defaults():  # before the checkpoint's settings are compared
             log.info(f"set {setting} for deterministic cuBLAS (see README: bit-identical resumes)")
         check_schedulers(self._objects, resuming=choice.latest is not None)  # the same on every rank
+        # where this session trains (engine/hardware.py): recorded in each manifest, compared at a resume
+        self._checkpointer.meta.update(hardware.describe(self.device))
+        if self.amp is not None:
+            self._checkpointer.meta["amp_dtype"] = self.amp
+        switch = self.amp_switch
+        if switch:
+            self._checkpointer.fresh = frozenset({"scaler"})
         error: Exception | None = None
         if choice.latest is not None:
             try:
                 info = self._checkpointer.resume(
                     choice.latest, choice.skipped, self.computation, self.run_dir, self._api,
-                    ignore=frozenset({"num_samples"}) if self.allow_data_change else frozenset())
+                    ignore=frozenset({"num_samples"}) if self.allow_data_change else frozenset(),
+                    accept={"amp": (switch["from"], switch["to"])} if switch else None)
                 if self.allow_data_change:
                     self.data_change = accept_data_change(info, self.computation.get("num_samples"), self.state)
             except Exception as e:  # noqa: BLE001 - any failure (an OSError too) must reach every rank
@@ -336,7 +350,9 @@ class Run:
         note = (f"dataset changed from {self.data_change[0]} to {self.data_change[1]} samples (allow_data_change)"
                 if self.data_change else None)
         self._sessions = SessionLog(rundir.local if main else None)
-        reporters.append(HistoryReporter(self._sessions, note))
+        extra = {"device": hardware.label(self._checkpointer.meta),
+                 **({"amp_switch": self.amp_switch} if self.amp_switch else {})}
+        reporters.append(HistoryReporter(self._sessions, note, extra))
         return Reporters(reporters)
 
     def _train(self, rundir: RunDir, choice: Choice) -> Iterator[tuple[int, int, Any]]:

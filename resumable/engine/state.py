@@ -15,6 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from .. import log
+
 
 @runtime_checkable
 class Stateful(Protocol):
@@ -123,8 +125,9 @@ def restore_rng(state: dict[str, Any]) -> None:
     if not cuda_states:
         return
     if not torch.cuda.is_available():
-        warnings.warn("the checkpoint holds CUDA RNG states but CUDA is not available: continuing on CPU, "
-                      "so the run is no longer bit-identical to an uninterrupted GPU run", stacklevel=2)
+        # A GPU checkpoint resumed on the CPU: there is no CUDA generator to restore them into. The resume says
+        # once, in its cross-device line (engine/hardware.py), that bit-identity is only promised on one device.
+        log.info(f"skipping the checkpoint's {len(cuda_states)} CUDA RNG state(s): CUDA is not available here")
         return
     count = torch.cuda.device_count()
     if count != len(cuda_states):

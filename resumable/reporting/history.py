@@ -5,14 +5,17 @@ session begins training and an ``end`` record when it stops. A start without an 
 killed (or is still running). Records::
 
     {"event": "start", "session": 3, "time": 1764672000.0, "step": 1200, "resumed_from": 1200,
-     "host": "colab-vm", "pid": 4242}
+     "host": "colab-vm", "pid": 4242, "device": "cuda (Tesla T4, sm_75)",
+     "amp_switch": {"from": "bf16", "to": "fp16", "why": "..."}}
     {"event": "end", "session": 3, "time": 1764675600.0, "step": 2400, "ended": "finished"}
     {"event": "end", "session": 4, "time": 1764679200.0, "step": 2410, "ended": "error: RuntimeError",
      "error": "RuntimeError: CUDA error: an illegal memory access was encountered"}
 
 ``ended`` is ``finished``, ``time limit``, ``save error``, ``interrupted``, a signal name (``SIGTERM``), ``hang``
 (the step watchdog fired: engine/watchdog.py) or ``error: TYPE`` (an exception); ``error`` says what failed (for an
-exception, its type and message), which the crash-loop check (engine/crashloop.py) quotes.
+exception, its type and message), which the crash-loop check (engine/crashloop.py) quotes. ``device`` is where the
+session trained (engine/hardware.py); ``amp_switch`` is present only when ``--amp auto`` changed the checkpoint's
+AMP dtype at this start (bf16 on a GPU without native bf16).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class SessionRecord:
     end_step: int | None = None
     ended: str | None = None  # None: killed, or still running
     error: str | None = None  # what failed, when an exception or a hang ended it
+    device: str | None = None  # where it trained, e.g. "cuda (Tesla T4, sm_75)" (absent in older records)
+    amp_switch: dict | None = None  # the bf16 -> fp16 switch of --amp auto at this start, if any
 
     @property
     def how(self) -> str:
@@ -78,7 +83,8 @@ def _text(value: Any) -> bool:
 # Fields of the records read_sessions uses: name -> (check, required). Other fields and other events are kept
 # as they are (a newer resumable may add some).
 _START = {"time": (_number, True), "step": (_count, True), "resumed_from": (_optional(_count), False),
-          "host": (_optional(_text), False), "pid": (_optional(_count), False)}
+          "host": (_optional(_text), False), "pid": (_optional(_count), False),
+          "device": (_optional(_text), False), "amp_switch": (_optional(lambda v: isinstance(v, dict)), False)}
 _END = {"time": (_optional(_number), False), "step": (_optional(_count), False), "ended": (_optional(_text), False),
         "error": (_optional(_text), False)}
 
@@ -112,7 +118,8 @@ def _sessions(records: list[dict[str, Any]]) -> list[SessionRecord]:
         number = record["session"]
         if record["event"] == "start":
             sessions[number] = SessionRecord(number, float(record["time"]), record["step"],
-                                             record.get("resumed_from"), record.get("host"), record.get("pid"))
+                                             record.get("resumed_from"), record.get("host"), record.get("pid"),
+                                             device=record.get("device"), amp_switch=record.get("amp_switch"))
         elif record["event"] == "end" and number in sessions:
             entry = sessions[number]
             entry.end, entry.end_step, entry.ended = record.get("time"), record.get("step"), record.get("ended")
@@ -147,8 +154,10 @@ class SessionLog:
             handle.flush()
             os.fsync(handle.fileno())
 
-    def start(self, step: int, resumed_from: int | None, note: str | None = None) -> int | None:
-        """Record the session's start; ``note`` says what changed since the last one (e.g. the dataset)."""
+    def start(self, step: int, resumed_from: int | None, note: str | None = None,
+              extra: dict[str, Any] | None = None) -> int | None:
+        """Record the session's start; ``note`` says what changed since the last one (e.g. the dataset), ``extra``
+        adds fields (``device``, ``amp_switch``)."""
         if self.path is None:
             return None
         scan = _scan(self.path.parent)
@@ -157,7 +166,7 @@ class SessionLog:
             rewrite_jsonl(self.path, scan.lines)  # glue this start record to it, and both would be lost
         previous = _sessions(scan.records)
         self.number = (previous[-1].session + 1) if previous else 1
-        record = {"event": "start", "session": self.number, "time": time.time(), "step": step,
+        record = {**(extra or {}), "event": "start", "session": self.number, "time": time.time(), "step": step,
                   "resumed_from": resumed_from, "host": socket.gethostname(), "pid": os.getpid()}
         self._append({**record, "note": note} if note else record)
         return self.number

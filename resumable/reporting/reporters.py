@@ -154,12 +154,13 @@ class ConsoleReporter(Reporter):
 class HistoryReporter(Reporter):
     """The start and end of each session in ``sessions.jsonl`` (how it ended: the crash-loop evidence)."""
 
-    def __init__(self, sessions: SessionLog, note: str | None = None) -> None:
+    def __init__(self, sessions: SessionLog, note: str | None = None, extra: dict | None = None) -> None:
         self.sessions = sessions
         self.note = note
+        self.extra = extra  # more fields of the start record (the device, an AMP switch)
 
     def session_start(self, step: int, total_steps: int | None, resumed_from: int | None) -> None:
-        self.sessions.start(step, resumed_from, self.note)
+        self.sessions.start(step, resumed_from, self.note, self.extra)
 
     def session_end(self, step: int, ended: str) -> None:
         self.sessions.end(step, ended)

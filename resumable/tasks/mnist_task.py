@@ -18,8 +18,12 @@ _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class MnistTask:
     """Everything ``resumable-train`` trains, built deterministically from ``cfg`` (seeded first)."""
 
-    def __init__(self, cfg: TrainConfig, device: torch.device, world_size: int = 1) -> None:
+    def __init__(self, cfg: TrainConfig, device: torch.device, world_size: int = 1, amp: str | None = None) -> None:
+        """``amp``: the AMP mode actually used (``--amp auto`` resolved, engine/hardware.py); default ``cfg.amp``."""
         self.cfg = cfg
+        self.amp = amp if amp is not None else cfg.amp
+        if self.amp not in _AMP_DTYPES and self.amp != "none":
+            raise ValueError(f"amp={self.amp!r} must be none, bf16 or fp16 once --amp auto is resolved")
         self.device = device
         self.data = mnist.load_mnist(cfg.data_dir, device, download=cfg.download)
         seed_everything(cfg.seed)
@@ -28,9 +32,9 @@ class MnistTask:
         # Under torchrun each step covers world_size batches: the one-cycle schedule is as long as the real run.
         self.sampler = ResumableSampler(len(self.data.train), cfg.batch_size, cfg.seed, world_size=world_size)
         self.scheduler = self._scheduler()
-        self.amp_dtype = _AMP_DTYPES.get(cfg.amp)
+        self.amp_dtype = _AMP_DTYPES.get(self.amp)
         # A GradScaler is needed for fp16 only: bf16 has float32's exponent range.
-        self.scaler = torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None
+        self.scaler = torch.amp.GradScaler(device.type) if self.amp == "fp16" else None
 
     def _scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
         if self.cfg.lr_schedule == "step":
@@ -42,7 +46,7 @@ class MnistTask:
 
     def computation(self) -> dict[str, Any]:
         """What a checkpoint must match to be resumed exactly."""
-        comp = {**self.cfg.computation(), "dataset": self.data.identity}
+        comp = {**self.cfg.computation(), "amp": self.amp, "dataset": self.data.identity}
         if self.cfg.lr_schedule == "onecycle":
             comp["epochs"] = self.cfg.epochs  # the one-cycle schedule length depends on it
         return comp

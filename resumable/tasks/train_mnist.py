@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import log
 from ..checkpoint.writer import SaveStats
 from ..config import COMPUTATION_FIELDS, SESSION_FIELDS, TrainConfig
+from ..engine import hardware
 from ..engine.data import IndexBatches
 from ..engine.distributed import Distributed
 from ..engine.run import Run
@@ -32,6 +33,8 @@ def resolve_config(explicit: dict[str, Any], saved: dict[str, Any] | None) -> Tr
         return TrainConfig(**explicit)
     base = {k: v for k, v in TrainConfig.from_dict(saved).to_dict().items() if k not in SESSION_FIELDS}
     for name in COMPUTATION_FIELDS:
+        if name == "amp" and "auto" in (explicit.get(name), base.get(name)):
+            continue  # resolved against the checkpoint's AMP dtype (its computation) in _resolve_amp
         if name in explicit and explicit[name] != base.get(name):
             raise ConfigMismatch(name, base.get(name), explicit[name], explicit.get("run_dir", "?"))
     return TrainConfig(**{**base, **explicit})
@@ -105,7 +108,9 @@ def _build(dist: Distributed, explicit: dict[str, Any], mode: str, overwrite: bo
     # Deterministic cuDNN kernels cost little on this small CNN; resumes are bit-identical on GPU too.
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
-    task = MnistTask(cfg, device, world_size=dist.world_size)
+    saved_computation = choice.latest.manifest.get("computation") if choice.latest is not None else None
+    amp, amp_switch = _resolve_amp(cfg.amp, device, saved_computation, choice.latest.step if choice.latest else 0)
+    task = MnistTask(cfg, device, world_size=dist.world_size, amp=amp)
     if dist.active:
         # Same initial weights on every rank (seeded, and DDP broadcasts rank 0's); other dropout masks.
         task.model = DistributedDataParallel(task.model, device_ids=[device.index] if device.index is not None
@@ -119,5 +124,37 @@ def _build(dist: Distributed, explicit: dict[str, Any], mode: str, overwrite: bo
               resume=_RESUME[mode], overwrite=overwrite, prepared=(rundir, choice),
               # what a checkpoint must match (the options that change the numbers), and what the next start
               # inherits for options not given again
-              computation=task.computation(), settings=cfg.to_dict(), **options)
+              computation=task.computation(), settings=cfg.to_dict(), amp=amp, amp_switch=amp_switch, **options)
     return run, task
+
+
+def _resolve_amp(requested: str, device: torch.device, saved: Any, step: int) -> tuple[str, dict[str, Any] | None]:
+    """The AMP mode this session trains with, and the switch to record (None: the checkpoint's mode is kept).
+
+    ``saved`` is the newest checkpoint's computation (None: a fresh run). ``--amp auto`` picks for a fresh run and
+    keeps a checkpoint's mode unless it cannot run well here (engine/hardware.py). An explicit ``--amp bf16`` on a
+    GPU without native bf16 is obeyed with a warning: it runs (emulated, slowly), needs no GradScaler, and the
+    user asked for it; ``--amp auto`` is the way to switch."""
+    capability, native = hardware.probe(device)
+    here = hardware.label(hardware.describe(device))
+    if requested != "auto":
+        if requested == "bf16" and device.type == "cuda" and hardware.choose_amp("cuda", capability, native) != "bf16":
+            log.warning(f"--amp bf16 on {here}, which has no native bf16 (compute capability 8.0 or later): bf16 runs "
+                        f"emulated, several times slower. --amp auto trains with fp16 and a GradScaler instead (and "
+                        f"switches a resumed bf16 run to it)")
+        return requested, None
+    old = saved.get("amp", "none") if isinstance(saved, dict) else None
+    if old is None:
+        amp = hardware.choose_amp(device.type, capability, native)
+        log.info(f"--amp auto: {amp} on {here}" + (" (no autocast on the CPU: bf16 there is usually slower than "
+                                                   "float32)" if device.type == "cpu" else ""))
+        return amp, None
+    amp, why = hardware.resume_amp(old, device.type, capability, native)
+    if why is None:
+        if amp != hardware.choose_amp(device.type, capability, native):
+            log.info(f"--amp auto: keeping the checkpoint's {amp} on {here} (a run's precision changes only when its "
+                     f"own cannot run well here)")
+        return amp, None
+    log.warning(f"--amp auto: this run trained with {old} up to step {step}, but {here} {why}. Switching to {amp} "
+                f"with a fresh GradScaler from here on: the numerics change at this step (recorded in sessions.jsonl)")
+    return amp, {"from": old, "to": amp, "why": f"{here} {why}", "step": step}
