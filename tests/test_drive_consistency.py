@@ -1,6 +1,6 @@
-"""The Drive API as it really behaves, on the loopback Drive: short pages, same-titled duplicates, listing lag, lost answers, verifying a
-gdrive:// run dir, and the first retry's wait. Each test switches on the documented Drive behaviour it survives
-(tests/fakedrive/api.py: max_page, list_lag_s, the "lost" fault, generateIds)."""
+"""The Drive API as it really behaves, on the loopback Drive: short pages, same-titled duplicates, listing lag,
+lost answers, verifying a gdrive:// run dir, and the first retry's wait. Each test switches on the documented
+Drive behaviour it survives (tests/fakedrive/api.py: max_page, list_lag_s, the "lost" fault, generateIds)."""
 
 from __future__ import annotations
 

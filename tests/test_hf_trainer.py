@@ -233,3 +233,23 @@ def test_a_fresh_vm_restores_from_drive_and_finishes(reference: dict, tmp_path: 
         assert durable_steps(s, tmp_path) == [35, 40], "Drive keeps what local retention keeps"
         assert not fake.server_errors, fake.server_errors
     assert os.path.isdir(out / ".resumable")
+
+
+def test_a_finished_run_is_not_trained_again(tmp_path: Path) -> None:
+    # 64 samples, batch 4: 16 steps an epoch, so max_steps 20 ends inside the second epoch
+    out = tmp_path / "out"
+    first = ResumableCallback()
+    trainer = hf_train.build(str(out), 20, 5, None, [first])
+    first.train(trainer)
+    assert trainer.state.global_step == 20 and committed(out)[-1] == 20
+    again = ResumableCallback()  # the notebook cell run again after the end
+    assert again.train(hf_train.build(str(out), 20, 5, None, [again])) is None and again.exit_code == 0
+    assert committed(out)[-1] == 20 and not (out / "checkpoint-21").exists()
+    more = ResumableCallback()  # more steps asked: it trains on from step 20
+    longer = hf_train.build(str(out), 25, 5, None, [more])
+    more.train(longer)
+    assert longer.state.global_step == 25 and committed(out)[-1] == 25
+    # What a plain trainer.train(resume_from_checkpoint=...) does with a finished run: one step more (transformers)
+    plain = hf_train.build(str(out), 25, 5, None, [ResumableCallback()])
+    plain.train(resume_from_checkpoint=latest_valid(out))
+    assert plain.state.global_step == 26

@@ -109,13 +109,16 @@ def test_notebook_runs_and_resumes_on_cpu(tmp_path: Path, monkeypatch: pytest.Mo
     (train,) = [i for i in code if "!resumable-train" in source(cells[i])]
     (plot,) = [i for i in code if "!resumable plot" in source(cells[i])]
     (api,) = [i for i in code if "resumable.Run(" in source(cells[i])]
+    (hf,) = [i for i in code if "ResumableCallback(" in source(cells[i])]
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)  # the W&B cell is skipped without a key
     notebook = Notebook(cells)
     notebook.run(parameters)  # the defaults must at least be valid Python...
-    assert {"RUN_DIR", "DATA_DIR", "EPOCHS", "EXTRA", "MAX_STEPS_API"} <= notebook.namespace.keys()
+    assert {"RUN_DIR", "DATA_DIR", "EPOCHS", "EXTRA", "MAX_STEPS_API", "RESUMABLE_SOURCE", "WANDB_PROJECT",
+            "TRAINER_STEPS"} <= notebook.namespace.keys()
     run_dir = tmp_path / "run"
     notebook.namespace.update(  # ...then the test's values replace them
         RUN_DIR=str(run_dir), DATA_DIR=data_dir, EPOCHS=1, EXTRA="--max-steps 10 --no-progress --device cpu",
-        MAX_STEPS_API=10, NUM_WORKERS=2)
+        MAX_STEPS_API=10, NUM_WORKERS=2, TRAINER_STEPS=20)
 
     for i in code:
         if i == parameters:
@@ -137,9 +140,51 @@ def test_notebook_runs_and_resumes_on_cpu(tmp_path: Path, monkeypatch: pytest.Mo
         if i == api:
             assert notebook.namespace["run"].finished
             assert notebook.namespace["run"].state.step == 10
+        if i == hf:  # the Trainer trained to the end, and each checkpoint it wrote is committed
+            assert notebook.namespace["callback"].exit_code == 0
+            assert notebook.namespace["trainer"].state.global_step == 20
+            assert (tmp_path / "run-trainer" / "checkpoint-20" / "manifest.json").is_file()
 
     own = tmp_path / "run-own" / "checkpoints"
     assert any((step / "manifest.json").is_file() for step in own.glob("step-*"))
     # Re-running the API cell finds the complete run instead of training again.
     notebook.run(api)
     assert notebook.namespace["run"].finished and notebook.namespace["run"].resumed_from == 10
+    # Re-running the Trainer cell finds its newest committed checkpoint complete and does not train again.
+    notebook.run(hf)
+    assert notebook.namespace["callback"].exit_code == 0 and notebook.namespace["trainer"].state.global_step == 0
+    saved = sorted(path.name for path in (tmp_path / "run-trainer").glob("checkpoint-*"))
+    assert saved == ["checkpoint-10", "checkpoint-20"]  # no checkpoint-21
+
+
+def _cell(marker: str) -> dict[str, Any]:
+    (found,) = [cell for cell in load()["cells"] if cell["cell_type"] == "code" and marker in source(cell)]
+    return found
+
+
+def test_install_cell_installs_from_the_source_parameter_or_says_what_to_do(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cell = _cell("EXTRAS = ")  # the colab-only install cell: no placeholder, the parameter decides
+    assert "OWNER" not in json.dumps(load())
+    calls: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "run", lambda args, check: calls.append(args))
+    copy = tmp_path / "resumable"
+    copy.mkdir()
+    for where in (str(copy), "git+https://example.org/resumable.git"):
+        exec(compile(source(cell), "<install>", "exec"), {"RESUMABLE_SOURCE": where})
+    assert [args[-1] for args in calls] == [f"resumable[drive,plot,wandb,hf] @ file://{copy}",
+                                            "resumable[drive,plot,wandb,hf] @ git+https://example.org/resumable.git"]
+    with pytest.raises(SystemExit, match="upload the resumable repository folder to your Drive"):
+        exec(compile(source(cell), "<install>", "exec"), {"RESUMABLE_SOURCE": str(tmp_path / "missing")})
+    assert len(calls) == 2  # nothing installed from a folder that is not there
+
+
+def test_wandb_cell_adds_the_option_only_with_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    cell = compile(source(_cell("--wandb {WANDB_PROJECT}")), "<wandb>", "exec")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    namespace = {"EXTRA": "--max-steps 5", "WANDB_PROJECT": "p"}
+    exec(cell, namespace)
+    assert namespace["EXTRA"] == "--max-steps 5"
+    monkeypatch.setenv("WANDB_API_KEY", "k")
+    exec(cell, namespace)
+    assert namespace["EXTRA"] == "--max-steps 5 --wandb p"

@@ -2,7 +2,7 @@
 
 >>> callback = ResumableCallback(time_limit="2h", drive="gdrive://root/runs/gpt2")  # doctest: +SKIP
 >>> trainer = Trainer(model, args, train_dataset=data, callbacks=[callback])  # doctest: +SKIP
->>> trainer.train(resume_from_checkpoint=callback.latest_valid(args.output_dir))  # doctest: +SKIP
+>>> callback.train(trainer)  # trainer.train(resume_from_checkpoint=callback.latest_valid(...))  # doctest: +SKIP
 >>> sys.exit(callback.exit_code)  # 75: stopped early with the state committed, run again  # doctest: +SKIP
 
 What the callback adds to the Trainer's own checkpoints:
@@ -30,6 +30,7 @@ measured.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -46,7 +47,7 @@ from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME, NothingToResume
 from . import hf_checkpoints as hf
 from .hf_drive import DriveLink
 
-__all__ = ["ResumableCallback", "latest_valid", "restore"]
+__all__ = ["ResumableCallback", "finished_at", "latest_valid", "restore"]
 
 
 def _seconds(value: str | float | None, name: str) -> float | None:
@@ -84,6 +85,24 @@ def latest_valid(output_dir: str | os.PathLike[str], drive: str | None = None) -
         raise NothingToResume(f"{output_dir} has committed checkpoints ({', '.join(committed)}) but none verifies; "
                               f"refusing to start over on top of them. Delete them or use another output_dir")
     return None
+
+
+def finished_at(checkpoint: str | os.PathLike[str], args: TrainingArguments) -> int | None:
+    """The step at which ``checkpoint`` (a ``checkpoint-N`` folder) completed the training ``args`` ask for, or
+    None when there is more to train: ``max_steps`` when set, else the epochs (more epochs asked than the
+    checkpoint's run had: not complete)."""
+    try:
+        saved = json.loads((Path(checkpoint) / "trainer_state.json").read_text(encoding="utf-8"))
+        step, planned, epochs = int(saved["global_step"]), int(saved["max_steps"]), saved.get("num_train_epochs")
+    except (OSError, ValueError, KeyError, TypeError):  # verified by its manifest, so not expected: train then
+        return None
+    if args.max_steps is not None and args.max_steps > 0:
+        target = args.max_steps
+    elif isinstance(epochs, (int, float)) and args.num_train_epochs > epochs:
+        return None
+    else:
+        target = planned
+    return step if 0 < target <= step else None
 
 
 class ResumableCallback(TrainerCallback):
@@ -132,6 +151,19 @@ class ResumableCallback(TrainerCallback):
         if chosen is not None:
             self.run_id = hf.check(hf.parse_folder(Path(chosen).name), Path(chosen), deep=False).manifest.get("run_id")
         return chosen
+
+    def train(self, trainer: Any, **kwargs: Any) -> Any:
+        """``trainer.train`` from the newest valid checkpoint (:meth:`latest_valid`); returns what it returns, or
+        None without training when that checkpoint already completed the run (a notebook cell run again after the
+        end). transformers trains one more step when resumed from a checkpoint whose ``max_steps`` ends inside an
+        epoch, which would change the finished model and write a ``checkpoint-<max_steps + 1>``."""
+        resume = self.latest_valid(trainer.args.output_dir)
+        done = finished_at(resume, trainer.args) if resume is not None else None
+        if done is not None:
+            log.info(f"training is already complete at step {done} ({resume}); not training again")
+            self.stopped_early, self.exit_code = None, 0
+            return None
+        return trainer.train(resume_from_checkpoint=resume, **kwargs)
 
     # -- TrainerCallback ----------------------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
