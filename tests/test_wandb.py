@@ -103,7 +103,10 @@ def test_two_sigkills_one_wandb_run_with_the_records_of_metrics_jsonl(tiny_mnist
         extra["WANDB_X_TRANSACTION_LOG_FLUSH_INTERVAL"] = "0.1"
     target, kills = 0, []
     for _ in range(2):
-        target = max(target + rng.randint(2, 8), 5)  # past the first checkpoint (step 4)
+        # past the first checkpoint (step 4), and past the step the last kill reached, so that this session has
+        # trained (and opened its W&B run) before it is killed; a kill that overshoots its target by a few steps
+        # would otherwise let the next session be killed before it logged anything.
+        target = max(target + rng.randint(2, 8), 5, kills[-1] + 1 if kills else 0)
         proc = subprocess.Popen(command() + ["--run-dir", str(run_dir), "--data-dir", str(tiny_mnist), *ARGS],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env(**extra),
                                 stdin=subprocess.DEVNULL)
