@@ -120,3 +120,27 @@ def test_an_unreadable_file_of_a_kept_checkpoint_is_still_a_failure(tmp_path: Pa
         mirror.close()
         assert s.policy.retries == 0, "a local disk error is not retried as a network error either"
         assert len(mirror.errors) == 1 and "Input/output error" in mirror.errors[0], mirror.errors
+
+
+def test_retention_keeps_the_checkpoint_in_flight(tmp_path: Path) -> None:
+    """Checkpoints that come faster than an upload takes: retention, pruning after each save, must keep the one being
+    uploaded (Mirror.protected), or each newest would be pruned in its turn and nothing would become durable until
+    training stopped (the budget test saw that: durable steps 12 and then only the last ones after the stop)."""
+    local = _local_checkpoints(tmp_path / "run", [1, 2, 3])
+    s = mounted.MountedDirStore(tmp_path / "mount", RetryPolicy(attempts=2, base_s=0.01), prune_grace_s=0)
+    real_dir, seen = s._dir, {}
+    mirror = Mirror(local, s, tmp_path / "run", print)
+
+    def target_dir(folder: str) -> Path:  # inside the copy of a step, as a save's retention would run
+        if folder == "step-000000002" and "pruned" not in seen:
+            seen["protected"] = mirror.protected()
+            seen["pruned"] = local.prune(1, False, mirror.protected())  # keep the newest (3) and what is in flight
+        return real_dir(folder)
+
+    s._dir = target_dir  # type: ignore[method-assign]
+    mirror.submit(3)
+    pending = mirror.flush(30)
+    mirror.close()
+    assert seen == {"protected": {2}, "pruned": [1]}, seen
+    assert mirror.protected() == set() and mirror.errors == [], mirror.errors
+    assert pending == [] and durable_steps(s, tmp_path) == [2, 3]

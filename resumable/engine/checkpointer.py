@@ -41,7 +41,7 @@ class Checkpointer:
     happen on the writer's thread. Frozen tensors of the model are left out unless ``store_frozen``
     (engine/frozen.py). ``before_commit`` runs on the writer's thread just before the checkpoint is committed
     (e.g. to make logs durable up to this step), ``after_commit(step)`` after it is committed and pruned (e.g. to
-    mirror it to Drive).
+    mirror it to Drive). ``protect()`` names steps retention keeps for now (the one being uploaded).
     """
 
     def __init__(self, manager: CheckpointManager, objects: Mapping[str, Stateful | None],
@@ -50,7 +50,7 @@ class Checkpointer:
                  before_commit: Callable[[], None] | None = None,
                  after_commit: Callable[[int], None] | None = None, dist: Distributed | None = None,
                  faults: Faults = NO_FAULTS, modules: torch.nn.Module | None = None, store_frozen: bool = False,
-                 staging_memory: int | None = None) -> None:
+                 staging_memory: int | None = None, protect: Callable[[], set[int]] | None = None) -> None:
         if "model" not in objects or "optimizer" not in objects:
             raise ValueError("a checkpointer needs at least 'model' and 'optimizer' objects")
         self.manager = manager
@@ -62,6 +62,7 @@ class Checkpointer:
         self.writer = writer or CheckpointWriter(asynchronous=False)
         self.before_commit = before_commit
         self.after_commit = after_commit
+        self.protect = protect  # steps retention keeps for now (the one the Drive mirror is uploading)
         self.dist = dist or Distributed()
         self.faults = faults
         self.modules = modules if modules is not None else objects.get("model")
@@ -148,7 +149,7 @@ class Checkpointer:
                 self._discard_unfinished(step)  # a disk full for a while gets its space back for the next save
                 raise
             try:
-                self.manager.prune(self.keep, self.keep_best)
+                self.manager.prune(self.keep, self.keep_best, self.protect() if self.protect is not None else set())
             except OSError as e:  # the new checkpoint is committed; a failed prune only leaves extra ones
                 log.warning(f"pruning old checkpoints failed ({e}); they stay on disk and the next save tries again")
             self._last_size = info.size

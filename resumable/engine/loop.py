@@ -128,8 +128,9 @@ class Loop:
         epochs_left = max(self.plan.epochs - self.state.epoch, 0)
         return left * self.step_time.value + epochs_left * self.eval_time.value
 
-    def _stop_reason(self) -> str | None:
-        """Why training must stop before the next step, if it must."""
+    def _stop_reason(self, saving: bool = False) -> str | None:
+        """Why training must stop before the next step, if it must. ``saving``: a checkpoint is due at this
+        boundary."""
         if self._save_error is not None:
             return "save error"
         if self.lost() is not None:
@@ -139,7 +140,9 @@ class Loop:
         batches = self.sampler.batches_per_epoch  # unknown for a stream: count the evaluation in
         last_of_epoch = batches is None or self.state.batch_in_epoch + self.plan.accumulate >= batches
         step_s = self.step_time.value + (self.eval_time.value if last_of_epoch else 0.0)
-        if not self.budget.fits(step_s, self.session.writer.stats.last_total_s):
+        # A checkpoint committed before the next check (due now, or the epoch's end) uploads before the final one.
+        saves = 2 if saving or last_of_epoch else 1
+        if not self.budget.fits(step_s, self.session.writer.stats.last_total_s, saves=saves):
             return "time limit"
         return None
 
@@ -153,7 +156,7 @@ class Loop:
         the host never waits on it (under NCCL a blocking all_reduce would sync the host every step);
         decisions then land one step later, on every rank alike."""
         self._check_saves()  # a failed background save surfaces here, before another step
-        reason = self._stop_reason()
+        reason = self._stop_reason(saving=trigger is not None)
         if self.dist is None or not self.dist.active:
             return reason, trigger
         # A step-count trigger is the same on every rank without asking; the wall clock is rank 0's.

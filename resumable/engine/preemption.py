@@ -105,13 +105,15 @@ class Budget:
     """A wall-clock deadline for this session, checked before each step.
 
     ``fits(step_s, save_s)`` is False once the next step plus a final save (with a margin) would no
-    longer finish before the deadline. ``durable_s`` (set for a run dir on Drive: the mirror's estimate) adds
-    the time the final checkpoint then takes to become durable remotely, so that it is there before the deadline,
-    not only on the local disk.
+    longer finish before the deadline. ``durable_s(checkpoints)`` (set for a run dir on Drive: the mirror's
+    estimate) adds the time the final checkpoint then takes to become durable remotely, so that it is there before
+    the deadline, not only on the local disk; with ``saves=2`` (a checkpoint is committed before the next check,
+    then the final one) it reserves both uploads, so that a periodic save that would push the final one past the
+    deadline becomes the final save instead.
     """
 
     def __init__(self, limit_s: float | None, start: float | None = None, margin: float = 1.5,
-                 floor_s: float = 1.0, durable_s: Callable[[], float] | None = None) -> None:
+                 floor_s: float = 1.0, durable_s: Callable[[int], float] | None = None) -> None:
         self.limit_s = limit_s
         self.start = time.monotonic() if start is None else start
         self.margin = margin
@@ -128,11 +130,13 @@ class Budget:
             return None
         return self.deadline - (time.monotonic() if now is None else now)
 
-    def fits(self, step_s: float, save_s: float, now: float | None = None) -> bool:
+    def fits(self, step_s: float, save_s: float, now: float | None = None, saves: int = 1) -> bool:
+        """``saves``: checkpoints committed from now until the final one, counting it (2 when one is due before
+        the next check)."""
         remaining = self.remaining(now)
         if remaining is None:
             return True
-        upload_s = self.durable_s() if self.durable_s is not None else 0.0
+        upload_s = self.durable_s(saves) if self.durable_s is not None else 0.0
         self.reserved = (save_s, upload_s)
         return remaining > (step_s + save_s + upload_s) * self.margin + self.floor_s
 

@@ -280,7 +280,8 @@ class Run:
             before_commit=lambda: self._report.before_commit(),
             after_commit=self._mirror.submit if self._mirror is not None else None, dist=self.dist,
             faults=self.faults, modules=self._objects["model"], store_frozen=self.options.store_frozen,
-            staging_memory=self.options.staging_memory_bytes)
+            staging_memory=self.options.staging_memory_bytes,
+            protect=self._mirror.protected if self._mirror is not None else None)
         for setting in determinism.set_cheap_defaults():  # before the checkpoint's settings are compared
             log.info(f"set {setting} for deterministic cuBLAS (see README: bit-identical resumes)")
         check_schedulers(self._objects, resuming=choice.latest is not None)  # the same on every rank

@@ -179,7 +179,7 @@ class ResumableCallback(TrainerCallback):
             if link is not None and link.mirror is None:
                 link.start(self.run_id)
                 # the final checkpoint must be on Drive, not only on this disk, before the VM goes
-                self.budget.durable_s = lambda: link.mirror.pace.durable_s() if link.mirror is not None else 0.0
+                self.budget.durable_s = lambda n: link.mirror.pace.durable_s(n) if link.mirror is not None else 0.0
         if self._stop is not None:  # a previous train() raised before on_train_end: its handlers go first
             self._stop.__exit__(None, None, None)
         self._stop = StopFlag().__enter__()
@@ -194,7 +194,8 @@ class ResumableCallback(TrainerCallback):
             reason = None
             if self._stop is not None and self._stop.requested:
                 reason = f"signal {self._stop.requested}"
-            elif not self.budget.fits(self._step_s, self._save_s if self._save_s is not None else self._step_s):
+            elif not self.budget.fits(self._step_s, self._save_s if self._save_s is not None else self._step_s,
+                                      saves=2 if control.should_save else 1):  # the Trainer saves at this step
                 reason = "the session's time budget is spent"
             if reason is not None:
                 self.stopped_early = reason
@@ -229,7 +230,8 @@ class ResumableCallback(TrainerCallback):
             self.last_commit_s = time.monotonic() - began
             if self.keep is not None:
                 best = state.best_model_checkpoint and hf.parse_folder(Path(state.best_model_checkpoint).name)
-                pruned = hf.prune(args.output_dir, self.keep, [best] if best is not None else [])
+                uploading = self._link.mirror.protected() if self._link is not None and self._link.mirror else set()
+                pruned = hf.prune(args.output_dir, self.keep, [*([best] if best is not None else []), *uploading])
                 if self._link is not None:
                     self._link.pruned(pruned)
             if self._link is not None:

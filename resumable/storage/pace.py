@@ -61,13 +61,15 @@ class UploadPace:
             seconds = sum(s for _, s in self._done)
             return sum(b for b, _ in self._done) / seconds if self._done else None
 
-    def durable_s(self) -> float:
-        """Seconds until a checkpoint committed now would be durable remotely: the rest of the upload in flight
-        (the mirror finishes it first), then that checkpoint's own bytes. 0 until one upload was measured."""
+    def durable_s(self, checkpoints: int = 1) -> float:
+        """Seconds until the last of ``checkpoints`` committed from now on would be durable remotely: the rest of
+        the upload in flight (the mirror finishes it first), then one checkpoint's bytes each (a checkpoint
+        committed while the mirror is idle starts uploading at once, so a final one committed after it waits
+        for it). 0 until one upload was measured."""
         rate = self.rate()
         if rate is None:
             return 0.0
         with self._lock:
             left = max(self._total - self._sent, 0)
             size = self.last_bytes or self._total
-        return (left + size) / rate
+        return (left + checkpoints * size) / rate

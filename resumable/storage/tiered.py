@@ -106,6 +106,7 @@ class Mirror:
         self.reused_bytes = 0  # not uploaded: already durable in an older remote checkpoint's folder
         self.upload_s = 0.0
         self.pace = UploadPace()  # how fast checkpoints get there: the session budget reserves the last one's upload
+        self.uploading: int | None = None  # the step in flight: local retention keeps it (see protected())
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
@@ -135,6 +136,13 @@ class Mirror:
 
     def pending(self) -> list[int]:
         return sorted(set(self._kept()) - self.durable)
+
+    def protected(self) -> set[int]:
+        """Steps local retention must keep for now: the one being uploaded. Pruned in the middle of its upload,
+        it would be skipped for the newest, and with checkpoints that come faster than an upload takes, each
+        newest would be pruned in turn: nothing would become durable until training stopped."""
+        step = self.uploading
+        return set() if step is None else {step}
 
     def _check_open(self) -> None:
         """Called before every remote call that starts an upload or a deletion: after close() (the run may
@@ -195,7 +203,12 @@ class Mirror:
         started = time.monotonic()
         folder = fmt.step_dir_name(step)
         source = self.local.root / folder
-        manifest = fmt.read_manifest(source)
+        self.uploading = step  # before its manifest is read: a prune from now on keeps it
+        try:
+            manifest = fmt.read_manifest(source)
+        except BaseException:
+            self.uploading = None
+            raise
         reused: dict[str, str] = {}
         md5: dict[str, str] = {}
         self.pace.begin(sum(entry["size"] for entry in manifest["files"].values()))
@@ -217,6 +230,7 @@ class Mirror:
             self._finish(step, folder, source, manifest, reused, md5, listings)
         finally:
             self.pace.end(completed=step in self.durable)
+            self.uploading = None
         self.upload_s += time.monotonic() - started
 
     def _finish(self, step: int, folder: str, source: Path, manifest: dict, reused: dict[str, str],
