@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -303,14 +304,23 @@ sys.exit(code)
 """
 
 
+@pytest.fixture(scope="module")
+def denied_run(tiny_mnist: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The worker script and a run dir it trained (2 epochs of 6 steps), shared by both cases below."""
+    folder = tmp_path_factory.mktemp("deny")
+    script, run_dir = folder / "worker.py", folder / "run"
+    script.write_text(_DENY_WORKER)
+    made = _torchrun(str(script), str(run_dir), str(tiny_mnist), "none")
+    assert made.returncode == 0, made.stderr[-3000:]
+    return script, run_dir
+
+
 @pytest.mark.parametrize("deny", ["manager", "payload"])
 def test_a_rank_that_cannot_read_the_checkpoint_fails_every_rank_at_once(tiny_mnist: Path, tmp_path: Path,
+                                                                         denied_run: tuple[Path, Path],
                                                                          deny: str) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(_DENY_WORKER)
-    run_dir = tmp_path / "run"
-    made = _torchrun(str(script), str(run_dir), str(tiny_mnist), "none")  # 2 epochs of 6 steps
-    assert made.returncode == 0, made.stderr[-3000:]
+    script, run_dir = denied_run[0], tmp_path / "run"
+    shutil.copytree(denied_run[1], run_dir, symlinks=True)
     (run_dir / "checkpoints" / "step-000000012" / "manifest.json").unlink()  # so step 6 is resumed
     started = time.monotonic()
     failed = _torchrun(str(script), str(run_dir), str(tiny_mnist), deny, timeout=300)

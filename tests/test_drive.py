@@ -237,6 +237,9 @@ def kill_once_durable(fake: FakeDrive, args: list[str], step: int, scratch: Path
     return killed_at
 
 
+# Soak set (about 25 s): the default run has the same kill -> fresh VM -> identical path with every Drive
+# behaviour on at once (test_drive_api_behaviour.py).
+@pytest.mark.soak
 def test_kill_delete_cache_resume_from_drive_is_identical(fake: FakeDrive, tiny_mnist: Path,
                                                           tmp_path: Path) -> None:
     extra = ["--epochs", "20", "--checkpoint-steps", "10", "--log-every", "1"]

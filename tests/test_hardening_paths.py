@@ -18,6 +18,7 @@ import shutil
 import stat
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -300,11 +301,12 @@ def test_hostile_checkpoint_ends_quickly_and_falls_back(how: str, trained: Path,
     run_dir, out = tmp_path / "run", tmp_path / "model.pt"
     shutil.copytree(trained, run_dir, symlinks=True)
     reason = _damage(_step(run_dir, 6), how)
-    done = {"verify": _bounded(["verify", str(run_dir)]),
-            "inspect": _bounded(["inspect", "--json", str(run_dir)]),
-            "export": _bounded(["export", str(run_dir), "--out", str(out)]),
-            "resume": _bounded(["--run-dir", str(run_dir), "--data-dir", str(tiny_mnist), "--max-steps", "8",
-                                *TRAIN], name="resumable-train")}  # last: it rewrites the run dir
+    readers = {"verify": ["verify", str(run_dir)], "inspect": ["inspect", "--json", str(run_dir)],
+               "export": ["export", str(run_dir), "--out", str(out)]}
+    with ThreadPoolExecutor(len(readers)) as pool:  # they only read the run dir: at the same time
+        done = dict(zip(readers, pool.map(_bounded, readers.values()), strict=True))
+    done["resume"] = _bounded(["--run-dir", str(run_dir), "--data-dir", str(tiny_mnist), "--max-steps", "8", *TRAIN],
+                              name="resumable-train")  # last: it rewrites the run dir
     hung = [command for command, result in done.items() if result is None]
     assert not hung, f"{hung} did not end within {HANG_S:.0f}s (killed)"
     verify, inspect, export, resume = done.values()

@@ -55,6 +55,9 @@ def _same_as_reference(tmp_path: Path, run_dir: Path, extra: list[str]) -> None:
     assert steps == records(reference) and [r["step"] for r in steps if "loss" in r] == list(range(1, 25))
 
 
+# Soak set (about 26 s): the default run kills the LoRA variant twice below, and kills streams with workers and
+# inside a save in test_stream.py and test_kill.py.
+@pytest.mark.soak
 def test_lm_example_with_workers_killed_twice_ends_identical(tmp_path: Path) -> None:
     extra, run_dir = ["--num-workers", "2"], tmp_path / "run"
     _killed(run_dir, extra, Faults(kill_at_step=10))  # mid-epoch, after the checkpoint of step 8

@@ -60,7 +60,10 @@ def _same_as_reference(tmp_path: Path, kind: str, workers: int) -> None:
     assert sum("loss" in r for r in steps) >= 30  # a loss at every step of both epochs
 
 
-KINDS = [("plain", 0), ("plain", 2), ("stateful", 0), ("stateful", 2), ("hf", 0), ("hf", 2), ("loader", 2)]
+# The replayed stream with workers runs in the soak set: its replay is the one of ("plain", 0), its workers those
+# of the other kinds.
+KINDS = [("plain", 0), pytest.param("plain", 2, marks=pytest.mark.soak), ("stateful", 0), ("stateful", 2),
+         ("hf", 0), ("hf", 2), ("loader", 2)]
 
 
 @pytest.mark.parametrize(("kind", "workers"), KINDS)
@@ -78,8 +81,10 @@ def test_sigkill_mid_epoch_resumes_identically(tmp_path: Path, kind: str, worker
     _same_as_reference(tmp_path, kind, workers)
 
 
-# The replayed stream's chain runs in the soak set (test_sigkill_mid_epoch_resumes_identically covers its replay).
-@pytest.mark.parametrize(("kind", "workers"), [("stateful", 2), pytest.param("plain", 2, marks=pytest.mark.soak)])
+# Soak set (about 30 s each): the default run kills a stream mid-epoch above, and kills map-style data on the first
+# step after a resume and inside a save (test_chaos.py, test_kill.py) through the same engine paths.
+@pytest.mark.soak
+@pytest.mark.parametrize(("kind", "workers"), [("stateful", 2), ("plain", 2)])
 def test_three_chained_kills_the_first_on_the_step_right_after_a_resume(tmp_path: Path, kind: str,
                                                                          workers: int) -> None:
     run_dir = tmp_path / "run"
