@@ -8,6 +8,7 @@ counters), so DDP correctness does not depend on remembering which values differ
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -63,6 +64,7 @@ class Checkpointer:
         self.before_commit = before_commit
         self.after_commit = after_commit
         self.protect = protect  # steps retention keeps for now (the one the Drive mirror is uploading)
+        self._prune_lock = threading.Lock()  # the writer's thread and the mirror's both prune
         self.dist = dist or Distributed()
         self.faults = faults
         self.modules = modules if modules is not None else objects.get("model")
@@ -148,10 +150,7 @@ class Checkpointer:
             except BaseException:
                 self._discard_unfinished(step)  # a disk full for a while gets its space back for the next save
                 raise
-            try:
-                self.manager.prune(self.keep, self.keep_best, self.protect() if self.protect is not None else set())
-            except OSError as e:  # the new checkpoint is committed; a failed prune only leaves extra ones
-                log.warning(f"pruning old checkpoints failed ({e}); they stay on disk and the next save tries again")
+            self.prune()
             self._last_size = info.size
             self.writer.stats.linked += written.linked
             if self.after_commit is not None:
@@ -162,6 +161,15 @@ class Checkpointer:
         self.last_saved_step = step
         if wait:
             self.writer.wait()
+
+    def prune(self) -> None:
+        """Apply retention: after each commit on the writer's thread, and on the Drive mirror's once the step it
+        kept for its upload is durable (``protect``)."""
+        with self._prune_lock:
+            try:
+                self.manager.prune(self.keep, self.keep_best, self.protect() if self.protect is not None else set())
+            except OSError as e:  # the new checkpoint is committed; a failed prune only leaves extra ones
+                log.warning(f"pruning old checkpoints failed ({e}); they stay on disk and the next save tries again")
 
     def _staging_for(self) -> Staging:
         """The staging memory of asynchronous saves (made once; its buffer is allocated by the first save)."""

@@ -282,6 +282,8 @@ class Run:
             faults=self.faults, modules=self._objects["model"], store_frozen=self.options.store_frozen,
             staging_memory=self.options.staging_memory_bytes,
             protect=self._mirror.protected if self._mirror is not None else None)
+        if self._mirror is not None:
+            self._mirror.after_upload = self._checkpointer.prune
         for setting in determinism.set_cheap_defaults():  # before the checkpoint's settings are compared
             log.info(f"set {setting} for deterministic cuBLAS (see README: bit-identical resumes)")
         check_schedulers(self._objects, resuming=choice.latest is not None)  # the same on every rank

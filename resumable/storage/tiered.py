@@ -107,6 +107,7 @@ class Mirror:
         self.upload_s = 0.0
         self.pace = UploadPace()  # how fast checkpoints get there: the session budget reserves the last one's upload
         self.uploading: int | None = None  # the step in flight: local retention keeps it (see protected())
+        self.after_upload: Callable[[], None] | None = None  # local retention again, once the step in flight is up
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
@@ -232,6 +233,8 @@ class Mirror:
             self.pace.end(completed=step in self.durable)
             self.uploading = None
         self.upload_s += time.monotonic() - started
+        if self.after_upload is not None:  # a prune that kept this step for its upload may drop it now
+            self.after_upload()
 
     def _finish(self, step: int, folder: str, source: Path, manifest: dict, reused: dict[str, str],
                 md5: dict[str, str], listings: Listings) -> None:
