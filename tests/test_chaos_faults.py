@@ -16,7 +16,7 @@ from resumable.storage.gdrive import DriveLocation, GDriveStore
 from resumable.storage.tiered import durable_steps
 from resumable.tools.faultkinds import KINDS, draw, pool
 
-TRAIN = ["--max-steps", "200", "--batch-size", "64", "--checkpoint-steps", "10", "--log-every", "1", "--no-download"]
+TRAIN = ["--max-steps", "120", "--batch-size", "64", "--checkpoint-steps", "10", "--log-every", "1", "--no-download"]
 
 
 def _chaos(mnist_dir: Path, tmp_path: Path, fault: str, kills: int, *extra: str, options: tuple[str, ...] = (),

@@ -5,13 +5,14 @@ upload chunk), same-titled duplicates of the run's logs and lease, and a corrupt
 from __future__ import annotations
 
 import shutil
+import subprocess
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from fakedrive import FakeDrive
-from helpers import final_fingerprint, records, run
+from helpers import command, env, final_fingerprint, records, run
 from test_drive import _train_args, drive_env, kill_once_durable, store
 
 from resumable.storage.tiered import durable_steps
@@ -40,8 +41,10 @@ def _titles_per_folder(fake: FakeDrive) -> Counter:
 def test_kill_fresh_vm_identical_with_every_drive_behaviour_on(fake: FakeDrive, tiny_mnist: Path,
                                                                 tmp_path: Path) -> None:
     extra = ["--epochs", "20", "--checkpoint-steps", "10", "--log-every", "1"]
-    reference = run(_train_args(str(tmp_path / "local"), tiny_mnist, *extra))
-    assert reference.returncode == 0, reference.stderr
+    ref_log = tmp_path / "reference.log"
+    with ref_log.open("w") as log_file:  # the uninterrupted local run trains at the same time as the Drive one
+        reference = subprocess.Popen(command() + _train_args(str(tmp_path / "local"), tiny_mnist, *extra),
+                                     stdout=subprocess.DEVNULL, stderr=log_file, stdin=subprocess.DEVNULL, env=env())
     fake.max_page = 2
     fake.list_lag_s = LAG_S
     fake.inject("lost", count=2, match="DELETE", skip=1)  # prune deletes: applied, the answer lost
@@ -71,6 +74,7 @@ def test_kill_fresh_vm_identical_with_every_drive_behaviour_on(fake: FakeDrive, 
     corrupted = [what for kind, _, what in fake.faults_fired if kind == "corrupt"]
     assert any(name.startswith("shard-") for name in corrupted) and "metrics.jsonl" in corrupted, corrupted
     (local,) = cache.iterdir()
+    assert reference.wait(timeout=300) == 0, ref_log.read_text()[-3000:]
     assert final_fingerprint(local) == final_fingerprint(tmp_path / "local")
     assert records(local) == records(tmp_path / "local")
     time.sleep(LAG_S * 2)

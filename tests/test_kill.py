@@ -22,7 +22,7 @@ from resumable.checkpoint.sharded import META
 from resumable.faults import Faults
 from resumable.reporting.metrics import read_records
 
-MAX_STEPS = 160
+MAX_STEPS = 120
 ARGS = ["--max-steps", str(MAX_STEPS), "--batch-size", "64", "--checkpoint-steps", "15", "--log-every", "1",
         "--no-progress", "--no-download"]
 

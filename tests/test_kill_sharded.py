@@ -32,11 +32,11 @@ def _unfinished(run_dir: Path) -> list[Path]:
 
 
 def test_a_kill_inside_a_multi_shard_write_never_counts(tiny_mnist: Path, tmp_path: Path) -> None:
-    reference = tmp_path / "reference"
-    done = run(["--run-dir", str(reference), "--data-dir", str(tiny_mnist), *ARGS])
-    assert done.returncode == 0, done.stderr
-    first = CheckpointManager(checkpoints_dir(reference)).latest_valid()[0]
-    assert sum(name.startswith("shard-") for name in first.manifest["files"]) >= 4, "the state spans several shards"
+    reference, ref_log = tmp_path / "reference", tmp_path / "reference.log"
+    with ref_log.open("w") as log_file:  # the uninterrupted run trains at the same time as the one killed below
+        uninterrupted = subprocess.Popen(command() + ["--run-dir", str(reference), "--data-dir", str(tiny_mnist),
+                                                      *ARGS], stdout=subprocess.DEVNULL, stderr=log_file,
+                                         stdin=subprocess.DEVNULL, env=env())
 
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(command() + ["--run-dir", str(run_dir), "--data-dir", str(tiny_mnist), *ARGS],
@@ -62,5 +62,8 @@ def test_a_kill_inside_a_multi_shard_write_never_counts(tiny_mnist: Path, tmp_pa
     resumed = run(["--run-dir", str(run_dir), "--data-dir", str(tiny_mnist), *ARGS])
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from step {latest.step}" in resumed.stderr
+    assert uninterrupted.wait(timeout=300) == 0, ref_log.read_text()[-3000:]
+    newest = CheckpointManager(checkpoints_dir(reference)).latest_valid()[0]
+    assert sum(name.startswith("shard-") for name in newest.manifest["files"]) >= 4, "the state spans several shards"
     assert (final_fingerprint(run_dir), records(run_dir)) == (final_fingerprint(reference), records(reference))
     assert not _unfinished(run_dir)

@@ -92,7 +92,8 @@ def _wait_for(proc: subprocess.Popen, condition, timeout: float = 180) -> bool:
 
 # buffered: wandb's default, a killed session's records never reach its file (all come from metrics.jsonl);
 # flushed: its file is written every 0.1 s, so it holds rows past the resumed checkpoint (skipped, not resent).
-@pytest.mark.parametrize("flush", ["buffered", "flushed"])
+# flushed runs in the soak set: test_steps_w_and_b_already_has_are_not_sent_again covers the skipped rows.
+@pytest.mark.parametrize("flush", ["buffered", pytest.param("flushed", marks=pytest.mark.soak)])
 def test_two_sigkills_one_wandb_run_with_the_records_of_metrics_jsonl(tiny_mnist: Path, tmp_path: Path,
                                                                       flush: str) -> None:
     seed = int(os.environ.get("RESUMABLE_KILL_SEED", random.SystemRandom().randrange(2**31)))
