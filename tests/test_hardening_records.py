@@ -20,6 +20,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -397,14 +398,16 @@ def test_verify_after_a_kill_in_the_middle_of_a_save(tiny_mnist: Path, base_run:
         proc.send_signal(signal.SIGKILL)
         proc.communicate()
 
-    verified = run(["verify", str(run_dir)], name="resumable")
+    readers = [["verify", str(run_dir)], ["inspect", str(run_dir)], ["inspect", "--json", str(run_dir)]]
+    with ThreadPoolExecutor(len(readers)) as pool:  # they only read the run dir: at the same time
+        verified, inspected, as_json = pool.map(lambda args: run(args, name="resumable"), readers)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     lines = verified.stdout.splitlines()
     assert f"step 6: {UNFINISHED}" in lines and "step 4: ok" in lines and "step 2: ok" in lines, lines
-    text = run(["inspect", str(run_dir)], name="resumable").stdout
+    text = inspected.stdout
     assert any(UNFINISHED in line and line.split()[0] == "6" for line in text.splitlines()), text
     assert any("latest valid" in line and line.split()[0] == "4" for line in text.splitlines()), text
-    data = json.loads(run(["inspect", "--json", str(run_dir)], name="resumable").stdout)
+    data = json.loads(as_json.stdout)
     assert data["latest_valid"]["step"] == 4 and data["checkpoints"][-1]["committed"] is False
 
     resumed = _train(run_dir, tiny_mnist, "--max-steps", "8")  # and the run is fine: it resumes from step 4
