@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -257,9 +258,11 @@ def _train(run_dir: Path, data: Path, *extra: str, restarts: int = 0,
 def test_a_mid_epoch_ddp_resume_keeps_the_epoch_train_loss(tiny_mnist: Path, tmp_path: Path) -> None:
     # 96 samples in steps of 2 x 8: 6 steps an epoch. Each rank's loss sum and count are its own; before, only
     # rank 0's were saved and every rank got them back, so the resumed epoch's train_loss changed.
-    straight = _train(tmp_path / "straight", tiny_mnist, "--epochs", "1")
+    with ThreadPoolExecutor(2) as pool:  # the uninterrupted run and the first session train at the same time
+        straight = pool.submit(_train, tmp_path / "straight", tiny_mnist, "--epochs", "1")
+        first = pool.submit(_train, tmp_path / "resumed", tiny_mnist, "--epochs", "1", "--max-steps", "3")
+        straight, first = straight.result(), first.result()
     assert straight.returncode == 0, straight.stderr[-3000:]
-    first = _train(tmp_path / "resumed", tiny_mnist, "--epochs", "1", "--max-steps", "3")
     assert first.returncode == 0, first.stderr[-3000:]
     second = _train(tmp_path / "resumed", tiny_mnist, "--epochs", "1", "--max-steps", "6")
     assert second.returncode == 0 and "resuming from step 3" in second.stderr, second.stderr[-3000:]

@@ -144,6 +144,9 @@ def test_a_half_written_or_damaged_checkpoint_is_never_chosen(tmp_path: Path, ca
 
 
 # -- subprocesses: kills, signals, budget ----------------------------------------------------------------
+# Soak set: the kill during a save below also kills, resumes through latest_valid and compares with the
+# uninterrupted run; this one differs only in when the kill lands.
+@pytest.mark.soak
 def test_sigkill_between_saves_resumes_to_the_uninterrupted_run(reference: dict, tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = start(out, "--step-sleep", "0.05")

@@ -131,6 +131,10 @@ def test_signal_commits_at_that_step_exits_75_and_resumes_identically(mnist_dir:
     assert (final_fingerprint(tmp_path), records(tmp_path)) == uninterrupted
 
 
+# Soak set: the stop at a step boundary, its commit and the identical resume are the SIGTERM test's above; the time
+# limit's own trigger is tested by test_ddp_fixes.py (exit 75, then continued), test_drive_budget.py and the budget's
+# unit tests.
+@pytest.mark.soak
 def test_time_limit_exits_75_then_resume_completes_identically(mnist_dir: Path, tmp_path: Path,
                                                                uninterrupted) -> None:
     args = ["--run-dir", str(tmp_path), "--data-dir", str(mnist_dir), *ARGS]

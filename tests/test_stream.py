@@ -60,10 +60,10 @@ def _same_as_reference(tmp_path: Path, kind: str, workers: int) -> None:
     assert sum("loss" in r for r in steps) >= 30  # a loss at every step of both epochs
 
 
-# The replayed stream with workers runs in the soak set: its replay is the one of ("plain", 0), its workers those
-# of the other kinds.
+# The replayed stream and the HF stream with workers run in the soak set: the replay is the one of ("plain", 0),
+# the HF adapter the one of ("hf", 0), and the per-worker positions those of ("stateful", 2).
 KINDS = [("plain", 0), pytest.param("plain", 2, marks=pytest.mark.soak), ("stateful", 0), ("stateful", 2),
-         ("hf", 0), ("hf", 2), ("loader", 2)]
+         ("hf", 0), pytest.param("hf", 2, marks=pytest.mark.soak), ("loader", 2)]
 
 
 @pytest.mark.parametrize(("kind", "workers"), KINDS)
