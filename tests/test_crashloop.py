@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from helpers import final_fingerprint
 
-from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.cli import train_command
 from resumable.engine.crashloop import crash_loop
 from resumable.errors import EXIT_CRASH_LOOP
@@ -20,10 +20,6 @@ ARGS = ["--batch-size", "16", "--epochs", "3", "--checkpoint-steps", "4", "--log
 
 def invoke(run_dir: Path, data: Path, *extra: str):
     return CliRunner().invoke(train_command, ["--run-dir", str(run_dir), "--data-dir", str(data), *ARGS, *extra])
-
-
-def fingerprint(run_dir: Path) -> str:
-    return CheckpointManager(checkpoints_dir(run_dir)).latest_valid()[0].fingerprint
 
 
 def session(number: int, start: int, ended: str | None) -> SessionRecord:
@@ -70,5 +66,5 @@ def test_resume_from_an_older_step_sets_newer_ones_aside_and_trains_on(tiny_mnis
     assert result.exit_code == 0, result.output
     aside = list((run_dir / "set-aside").iterdir())
     assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["step-000000006", "step-000000008"]
-    assert fingerprint(run_dir) == fingerprint(reference)
+    assert final_fingerprint(run_dir) == final_fingerprint(reference)
     assert read_sessions(run_dir)[-1].start_step == 4

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import env, final_fingerprint, inspect_json, records
+from helpers import env, final_fingerprint, newest_valid, records
 
 from resumable.faults import Faults
 
@@ -44,7 +44,7 @@ def _killed(run_dir: Path, extra: list[str], faults: Faults) -> str:
 
 
 def _newest_step(run_dir: Path) -> int:
-    return inspect_json(run_dir)["latest_valid"]["step"]
+    return newest_valid(run_dir).step
 
 
 def _same_as_reference(tmp_path: Path, run_dir: Path, extra: list[str]) -> None:

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from helpers import command, env, inspect_json, records
+from helpers import command, env, final_fingerprint, inspect_json, records
 
-from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.cli import train_command
 from resumable.engine.watchdog import FIRST_STEP_S, FLOOR_S, MIN_SAMPLES, Watchdog, default_timeout
 from resumable.errors import EXIT_HANG
@@ -53,12 +52,6 @@ def _train(run_dir: Path, data: Path, *extra: str, **extra_env: str) -> subproce
                           capture_output=True, text=True, timeout=240, env=env(**extra_env), stdin=subprocess.DEVNULL)
 
 
-def fingerprint(run_dir: Path) -> str:
-    """The newest valid checkpoint's fingerprint (in process: the subprocess of helpers.final_fingerprint costs a
-    torch import)."""
-    return CheckpointManager(checkpoints_dir(run_dir)).latest_valid()[0].fingerprint
-
-
 def _invoke(run_dir: Path, data: Path, *extra: str):
     return CliRunner().invoke(train_command, ["--run-dir", str(run_dir), "--data-dir", str(data), *ARGS, *extra])
 
@@ -79,7 +72,7 @@ def test_planted_hang_exits_76_with_stacks_and_resumes_identically(tiny_mnist: P
     assert ends[-1]["event"] == "end" and ends[-1]["ended"] == "hang" and "after step 5" in ends[-1]["error"]
     resumed = _invoke(run_dir, tiny_mnist)  # the same command (a supervisor's restart), without the fault
     assert resumed.exit_code == 0, resumed.output
-    assert fingerprint(run_dir) == fingerprint(reference)
+    assert final_fingerprint(run_dir) == final_fingerprint(reference)
     assert records(run_dir) == records(reference)
 
 
