@@ -31,7 +31,10 @@ multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a
     when the last sessions look like a crash loop (chaos kills sessions on purpose, before they commit anything).
     ``hang_after_s``: like ``hang_at_step``, once that many seconds have passed since this session's first step.
     ``save_error_after_s``: the first checkpoint committed that long after the first step fails with EIO instead
-    (a disk or writer error; the run goes on)."""
+    (a disk or writer error; the run goes on). ``save_hold_file``: while that file exists, a save that reaches
+    its manifest first writes ``<file>.held`` and then waits (at most ``HOLD_LIMIT_S``): chaos creates the file when
+    a kill inside a checkpoint write is due and kills once the save is held, so the kill is sure to land between
+    payload and manifest, however late the killer is scheduled, and no save is slowed before then."""
 
     save_delay_s: float = 0.0
     skip_rng_restore: bool = False
@@ -43,6 +46,7 @@ multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a
     ignore_crash_loop: bool = False
     hang_after_s: float | None = None
     save_error_after_s: float | None = None
+    save_hold_file: str | None = None
 
     @classmethod
     def from_env(cls) -> Faults:
@@ -64,6 +68,8 @@ multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a
     def before_commit(self, step: int | None = None) -> None:
         if self.save_delay_s > 0:
             time.sleep(self.save_delay_s)
+        if self.save_hold_file is not None and os.path.exists(self.save_hold_file):
+            _hold(self.save_hold_file)
         if step is not None and step == self.kill_in_save_at_step:
             _die()
         if _due(self.save_error_after_s, "save error"):
@@ -100,6 +106,23 @@ def _due(after_s: float | None, name: str) -> bool:
 def _die() -> None:
     """SIGKILL this process at once, as a VM that goes away does (no handler, no cleanup)."""
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+HOLD_LIMIT_S = 300.0  # a held save goes on by itself if nobody kills it (the killer died)
+
+
+def _hold(path: str) -> None:
+    """Say that a save is held (``<path>.held``), then wait while ``path`` exists."""
+    held = f"{path}.held"
+    with open(held, "w") as f:
+        f.write(str(os.getpid()))
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        os.unlink(held)
+    except FileNotFoundError:
+        pass
 
 
 def _hang() -> None:

@@ -57,6 +57,17 @@ def _saving(run_dir: Path) -> bool:
                for _, p in CheckpointManager(checkpoints_dir(run_dir)).step_dirs())
 
 
+def _held(hold: Path) -> bool:
+    """Arm the hold (Faults.save_hold_file) and say whether a save is held by it."""
+    hold.touch()
+    return Path(f"{hold}.held").exists()
+
+
+def _release(hold: Path) -> None:
+    for path in (hold, Path(f"{hold}.held")):
+        path.unlink(missing_ok=True)
+
+
 def _has_entries(directory: Path) -> bool:
     """Whether a save has written anything into ``directory`` yet (a pruned one is gone: False)."""
     try:
@@ -226,9 +237,11 @@ class Chaos:
         local = self._local(run_dir)  # the session is told run_dir; chaos reads local
         current, mid_save, first_step = self._first_fault(number, local)
         delay = self._delay()
-        # A mid-save session writes each checkpoint slowly, so that its kill lands between payload and
-        # manifest; the window is short enough that async saves barely slow its training.
-        faults = (Faults(save_delay_s=0.3) if mid_save else
+        # A mid-save session's saves are held before their manifest once the kill is due (the hold file exists):
+        # the kill lands between payload and manifest however late this process is scheduled, and no save is
+        # slowed before then.
+        hold = self.workdir / f"hold-{os.getpid()}-{number}"
+        faults = (Faults(save_hold_file=str(hold)) if mid_save else
                   Faults(kill_at_step=_newest_step(local) + 1) if first_step else
                   Faults(hang_after_s=delay) if current is KINDS["hang"] else
                   Faults(save_error_after_s=delay) if current is KINDS["writer-error"] else None)
@@ -254,7 +267,10 @@ class Chaos:
                 time.sleep(0.01)
                 continue
             since = since if since is not None else next((t for t, line in lines if "training on" in line), None)
-            if since is None or time.monotonic() < since + delay or (mid_save and not _saving(local)):
+            if since is None or time.monotonic() < since + delay:
+                time.sleep(0.005)
+                continue
+            if mid_save and not _held(hold):  # the next save to reach its manifest waits there to be killed
                 time.sleep(0.005)
                 continue
             if current.drive:  # fail its next Drive call; it goes on
@@ -285,6 +301,7 @@ class Chaos:
         ended = time.monotonic()
         self._settle(tag)
         inside_save = mid_save and _saving(local)  # confirm the kill did land inside a write
+        _release(hold)
         reader.join()
         stderr = "".join(line for _, line in lines)
         self._note_restart(kills, started, lines, stderr)
