@@ -7,11 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from helpers import run
+
+from resumable.faults import Faults
 
 OWN_MODEL = Path(__file__).resolve().parents[1] / "scripts" / "own_model_example.py"
 # A few seconds of training on a small CPU: 150 steps of a tiny CNN, a checkpoint every 5.
@@ -190,3 +193,24 @@ def test_a_sigkill_takes_every_process_of_the_session(tmp_path: Path) -> None:
     while _session_pids(tag) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert _session_pids(tag) == []
+
+
+def test_a_held_save_waits_before_its_manifest_until_the_hold_is_released(tmp_path: Path) -> None:
+    # Chaos's mid-save kill: no hold file, no wait; with one, the save says it is held and waits until it is gone.
+    hold = tmp_path / "hold"
+    faults = Faults(save_hold_file=str(hold))
+    started = time.monotonic()
+    faults.before_commit(4)
+    assert time.monotonic() - started < 0.5 and not Path(f"{hold}.held").exists()
+    hold.touch()
+    saver = threading.Thread(target=faults.before_commit, args=(6,))
+    saver.start()
+    deadline = time.monotonic() + 10
+    while not Path(f"{hold}.held").exists():
+        assert time.monotonic() < deadline, "the save never said it was held"
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert saver.is_alive()  # held: the manifest is not written while the hold file exists
+    hold.unlink()
+    saver.join(timeout=10)
+    assert not saver.is_alive() and not Path(f"{hold}.held").exists()
