@@ -111,9 +111,14 @@ def _die() -> None:
 HOLD_LIMIT_S = 300.0  # a held save goes on by itself if nobody kills it (the killer died)
 
 
+def held_marker(hold: str | os.PathLike) -> str:
+    """The file a save held by ``hold`` (``save_hold_file``) writes to say so."""
+    return f"{os.fspath(hold)}.held"
+
+
 def _hold(path: str) -> None:
-    """Say that a save is held (``<path>.held``), then wait while ``path`` exists."""
-    held = f"{path}.held"
+    """Say that a save is held (:func:`held_marker`), then wait while ``path`` exists."""
+    held = held_marker(path)
     with open(held, "w") as f:
         f.write(str(os.getpid()))
     deadline = time.monotonic() + HOLD_LIMIT_S

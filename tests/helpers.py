@@ -46,11 +46,10 @@ def inspect_json(run_dir: Path) -> dict[str, Any]:
 
 
 def newest_valid(run_dir: Path) -> CheckpointInfo:
-    """The newest valid checkpoint, every file hashed, as `resumable inspect` judges it (in this process: a
+    """The newest fully verified checkpoint, as a resume and `resumable inspect` judge it (in this process: a
     `resumable inspect` subprocess costs ~1.8 s of importing torch; test_inspect.py covers the command itself)."""
-    infos = CheckpointManager(checkpoints_dir(Path(run_dir))).inspect(deep=True)
-    latest = next((info for info in reversed(infos) if info.valid), None)
-    assert latest is not None, f"no valid checkpoint in {run_dir}: {[(i.step, i.reason) for i in infos]}"
+    latest, skipped = CheckpointManager(checkpoints_dir(Path(run_dir))).latest_valid()
+    assert latest is not None, f"no valid checkpoint in {run_dir}: {[(i.step, i.reason) for i in skipped]}"
     return latest
 
 

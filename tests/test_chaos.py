@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import run
 
-from resumable.faults import Faults
+from resumable.faults import Faults, held_marker
 
 OWN_MODEL = Path(__file__).resolve().parents[1] / "scripts" / "own_model_example.py"
 # A few seconds of training on a small CPU: 150 steps of a tiny CNN, a checkpoint every 5.
@@ -201,16 +201,16 @@ def test_a_held_save_waits_before_its_manifest_until_the_hold_is_released(tmp_pa
     faults = Faults(save_hold_file=str(hold))
     started = time.monotonic()
     faults.before_commit(4)
-    assert time.monotonic() - started < 0.5 and not Path(f"{hold}.held").exists()
+    assert time.monotonic() - started < 0.5 and not Path(held_marker(hold)).exists()
     hold.touch()
     saver = threading.Thread(target=faults.before_commit, args=(6,))
     saver.start()
     deadline = time.monotonic() + 10
-    while not Path(f"{hold}.held").exists():
+    while not Path(held_marker(hold)).exists():
         assert time.monotonic() < deadline, "the save never said it was held"
         time.sleep(0.01)
     time.sleep(0.1)
     assert saver.is_alive()  # held: the manifest is not written while the hold file exists
     hold.unlink()
     saver.join(timeout=10)
-    assert not saver.is_alive() and not Path(f"{hold}.held").exists()
+    assert not saver.is_alive() and not Path(held_marker(hold)).exists()

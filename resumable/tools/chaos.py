@@ -31,7 +31,7 @@ from pathlib import Path
 from ..checkpoint import CheckpointManager, checkpoints_dir
 from ..checkpoint import format as fmt
 from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME
-from ..faults import FAULTS_ENV, Faults
+from ..faults import FAULTS_ENV, Faults, held_marker
 from ..reporting.metrics import read_records, without_timing
 from .chaos_drive import DriveRuns, drive_run_dir
 from .chaos_report import ChaosReport, Kill, format_report, report_json
@@ -60,11 +60,11 @@ def _saving(run_dir: Path) -> bool:
 def _held(hold: Path) -> bool:
     """Arm the hold (Faults.save_hold_file) and say whether a save is held by it."""
     hold.touch()
-    return Path(f"{hold}.held").exists()
+    return os.path.exists(held_marker(hold))
 
 
 def _release(hold: Path) -> None:
-    for path in (hold, Path(f"{hold}.held")):
+    for path in (hold, Path(held_marker(hold))):
         path.unlink(missing_ok=True)
 
 
