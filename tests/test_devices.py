@@ -99,6 +99,10 @@ def test_cross_device_line_names_both_devices_and_ignores_what_older_checkpoints
     assert hardware.cross_device_line({"device": "cuda:0"}, T4) is None  # before GPU names were recorded
     assert hardware.cross_device_line({"device": "cuda:0"}, here).startswith("checkpoint written on cuda, resuming")
     assert hardware.cross_device_line({}, here) is None  # nothing recorded: nothing claimed
+    avx2, avx512 = {**here, "cpu_capability": "AVX2"}, {**here, "cpu_capability": "AVX512"}
+    assert "kernels use AVX2, resuming on one that uses AVX512" in hardware.cross_device_line(avx2, avx512)
+    assert hardware.cross_device_line(avx512, avx512) is None and hardware.cross_device_line(here, avx512) is None
+    assert hardware.describe("cpu")["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
 
 
 # -- what each checkpoint records --------------------------------------------------------------------------

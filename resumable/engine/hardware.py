@@ -77,9 +77,20 @@ def describe(device: torch.device | str) -> dict[str, Any]:
         capability, _ = probe(device)
         record["gpu_name"] = torch.cuda.get_device_name(device)
         record["gpu_capability"] = list(capability) if capability is not None else None
+    if device.type == "cpu":  # CPU kernels round differently per instruction set (AVX2, AVX512...)
+        record["cpu_capability"] = cpu_capability()
     if torch.version.cuda is not None:
         record["cuda_version"] = torch.version.cuda
     return {k: v for k, v in record.items() if v is not None}
+
+
+def cpu_capability() -> str | None:
+    """The instruction set torch's CPU kernels use here (``AVX512``, ``AVX2``...): float results may differ between
+    two, so it is part of "the same device"."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # noqa: BLE001 - an old torch without it
+        return None
 
 
 def _identity(record: dict[str, Any]) -> tuple[str, str | None, tuple[int, ...] | None] | None:
@@ -112,6 +123,10 @@ def cross_device_line(saved: dict[str, Any], current: dict[str, Any]) -> str | N
     before, now = _identity(saved), _identity(current)
     if before is None or now is None:
         return None
+    cpus = saved.get("cpu_capability"), current.get("cpu_capability")
+    if before[0] == now[0] == "cpu" and all(isinstance(c, str) for c in cpus) and cpus[0] != cpus[1]:
+        return (f"checkpoint written on a CPU whose kernels use {cpus[0]}, resuming on one that uses {cpus[1]}: the "
+                f"run continues, but bit-identity with an uninterrupted run is only promised on the same kind of CPU")
     differs = before[0] != now[0] or any(a is not None and b is not None and a != b
                                          for a, b in zip(before[1:], now[1:], strict=True))
     if not differs:
