@@ -21,7 +21,7 @@ _CONFIG_OPTIONS = ("run_dir", "data_dir", "epochs", "max_steps", "batch_size", "
                    "sync_checkpoints", "on_save_error",
                    "keep", "keep_best", "log_every", "tensorboard", "wandb", "download", "progress", "cache_dir",
                    "drive_credentials", "drive_flush_timeout", "store_frozen", "shard_size", "staging_memory",
-                   "hang_timeout")
+                   "hang_timeout", "quiet")
 
 
 class Duration(click.ParamType):
@@ -164,6 +164,8 @@ def _fail(message: str) -> None:
               help="Download MNIST when the files are missing.")
 @click.option("--progress/--no-progress", default=TrainConfig.progress, show_default=True,
               help="Show tqdm progress bars.")
+@click.option("--quiet", is_flag=True, default=TrainConfig.quiet,
+              help="Print only warnings, errors and the final summary (no progress bars, no per-epoch lines).")
 @click.option("--resume", "mode", flag_value="resume", help="Require a checkpoint to resume from.")
 @click.option("--fresh", "mode", flag_value="fresh", help="Start over (refused if checkpoints exist, "
               "unless --overwrite).")
@@ -179,6 +181,10 @@ def train_command(ctx: click.Context, mode: str | None, overwrite: bool, resume_
     from .engine.preemption import install_startup_handlers
 
     install_startup_handlers()  # first: a SIGTERM or Ctrl-C while torch imports is a clean stop, not a traceback
+    if options["quiet"]:
+        from . import log
+
+        log.set_quiet(True)  # the whole command: the task's own lines too
     explicit = {name: options[name] for name in _CONFIG_OPTIONS
                 if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT}
     explicit["run_dir"] = options["run_dir"]
@@ -201,7 +207,7 @@ def train_command(ctx: click.Context, mode: str | None, overwrite: bool, resume_
     except ValueError as e:
         raise click.UsageError(str(e)) from e
 
-    from .errors import EXIT_INTERRUPTED, ResumableError
+    from .errors import EXIT_INTERRUPTED, ResumableError, StopNow
 
     try:
         from .tasks.train_mnist import train  # heavy imports (torch) after cheap validation
@@ -214,6 +220,9 @@ def train_command(ctx: click.Context, mode: str | None, overwrite: bool, resume_
     except KeyboardInterrupt:
         _echo_err("interrupted; the newest committed checkpoint is intact — run the same command to continue")
         _exit(EXIT_INTERRUPTED)
+    except StopNow as e:  # a second SIGTERM while a checkpoint save was running
+        _echo_err(f"error: {e}")
+        _exit(e.exit_code)
     _exit(code)
 
 

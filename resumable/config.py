@@ -29,7 +29,7 @@ DURATION_MAX_S = 366 * 24 * 3600.0
 COMPUTATION_FIELDS = ("task", "batch_size", "seed", "lr", "lr_schedule", "amp")
 # Fields that belong to one invocation and are never inherited from a checkpoint.
 SESSION_FIELDS = ("run_dir", "progress", "download", "time_limit", "cache_dir", "drive_credentials", "tensorboard",
-                  "wandb")
+                  "wandb", "quiet")
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class RunOptions:
     keep_best: bool = True
     log_every: int = 10
     progress: bool = True
+    quiet: bool = False  # only warnings, errors and the final summary (no progress bars, no info lines)
     tensorboard: bool = False
     wandb: str | None = None  # a W&B project: log the records there, one W&B run across sessions
     store_frozen: bool = False  # store frozen tensors too (default: recorded by fingerprint, not written)

@@ -63,6 +63,11 @@ class SaveFailed(ResumableError):
     exit_code = EXIT_RESUME
 
 
+class SaveStuck(SaveFailed):
+    """A save the loop waited for did not finish in time after a stop was asked for (a dead mount or disk): it was
+    given up and never commits; the previous committed checkpoint is the newest valid one (exit 75)."""
+
+
 class CrashLoop(ResumableError):
     """The last sessions all failed without committing past the step this start would resume from (exit 77)."""
 
@@ -73,3 +78,25 @@ class LockLost(ResumableError):
     """Another process took this run dir's lock or lease over; this one stopped without writing more."""
 
     exit_code = EXIT_RESUME
+
+
+class StopNow(BaseException):
+    """A second stop signal (SIGTERM, SIGHUP, SIGUSR1) while the loop waited for a checkpoint save: stop at once,
+    without that save; the newest committed checkpoint stays valid (exit 75). A ``BaseException``, like the
+    ``KeyboardInterrupt`` a second Ctrl-C raises, so that no ``except Exception`` in a training step swallows it."""
+
+    exit_code = EXIT_RESUME
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(f"a second {signal_name} while a checkpoint save was running: stopped at once; the newest "
+                         f"committed checkpoint is intact, run again to continue from it")
+        self.signal_name = signal_name
+
+
+class Hung(BaseException):
+    """Raised in the training thread of an interactive session (a notebook) when the step watchdog finds it hung
+    (engine/watchdog.py): a script exits 76 instead, but a notebook's kernel must survive, so the cell ends with this
+    exception. A ``BaseException`` so that no ``except Exception`` around a training step swallows it and trains on
+    unwatched."""
+
+    exit_code = EXIT_HANG

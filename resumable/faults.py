@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, fields
 
@@ -65,11 +66,12 @@ multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a
         """The environment that hands these faults to a child process."""
         return {FAULTS_ENV: json.dumps(asdict(self))}
 
-    def before_commit(self, step: int | None = None) -> None:
+    def before_commit(self, step: int | None = None, abandoned: threading.Event | None = None) -> None:
+        """``abandoned``: the session gave up on this save; a held save stops waiting then."""
         if self.save_delay_s > 0:
             time.sleep(self.save_delay_s)
         if self.save_hold_file is not None and os.path.exists(self.save_hold_file):
-            _hold(self.save_hold_file)
+            _hold(self.save_hold_file, abandoned)
         if step is not None and step == self.kill_in_save_at_step:
             _die()
         if _due(self.save_error_after_s, "save error"):
@@ -116,13 +118,14 @@ def held_marker(hold: str | os.PathLike) -> str:
     return f"{os.fspath(hold)}.held"
 
 
-def _hold(path: str) -> None:
-    """Say that a save is held (:func:`held_marker`), then wait while ``path`` exists."""
+def _hold(path: str, abandoned: threading.Event | None = None) -> None:
+    """Say that a save is held (:func:`held_marker`), then wait while ``path`` exists (and the save is not
+    abandoned)."""
     held = held_marker(path)
     with open(held, "w") as f:
         f.write(str(os.getpid()))
     deadline = time.monotonic() + HOLD_LIMIT_S
-    while os.path.exists(path) and time.monotonic() < deadline:
+    while os.path.exists(path) and time.monotonic() < deadline and not (abandoned is not None and abandoned.is_set()):
         time.sleep(0.01)
     try:
         os.unlink(held)

@@ -1,20 +1,26 @@
 """All of resumable's output goes through one logger, ``logging.getLogger("resumable")``.
 
 Messages print as ``resumable: ...`` on standard error (``resumable: warning: ...`` from WARNING up), through
-``tqdm.write`` so they never tear a progress bar. Under DDP only rank 0 prints, unless a message is marked
-``extra={"all_ranks": True}``. Output must never stop training or a save: a closed pipe (``| head``), a
-terminal that went away or a vanished notebook output makes the handler drop the message, silently.
+``tqdm.write`` so they never tear a progress bar. :data:`SUMMARY` lines (how a session ended) sit between INFO and
+WARNING, so that quiet mode (``--quiet``, ``Run(quiet=True)``) keeps them with the warnings and errors. Under DDP
+only rank 0 prints, unless a message is marked ``extra={"all_ranks": True}``. Output must never stop training or a
+save: a closed pipe (``| head``), a terminal that went away or a vanished notebook output makes the handler drop the
+message, silently.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 
 from tqdm import tqdm
 
 LOGGER_NAME = "resumable"
 logger = logging.getLogger(LOGGER_NAME)
+SUMMARY = 25  # the final summary of a session: shown in quiet mode
+logging.addLevelName(SUMMARY, "SUMMARY")
 
 
 class _RankFilter(logging.Filter):
@@ -79,6 +85,30 @@ def warning(message: str, *, all_ranks: bool = False) -> None:
 
 def error(message: str, *, all_ranks: bool = False) -> None:
     logger.error(message, extra={"all_ranks": all_ranks})
+
+
+def summary(message: str) -> None:
+    """A line of the final summary (kept in quiet mode)."""
+    logger.log(SUMMARY, message)
+
+
+def set_quiet(on: bool) -> None:
+    """Quiet mode for the whole process (``resumable-train --quiet``): warnings, errors and the summary only."""
+    logger.setLevel(SUMMARY if on else logging.INFO)
+
+
+@contextlib.contextmanager
+def quiet(on: bool) -> Iterator[None]:
+    """Quiet mode while the block runs (one Run's session), the previous level after."""
+    if not on:
+        yield
+        return
+    before = logger.level
+    logger.setLevel(max(before, SUMMARY))
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 _install()

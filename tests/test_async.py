@@ -105,7 +105,7 @@ def test_failed_background_save_is_reported_and_previous_stays_newest(tmp_path: 
     session.save("first", wait=True)
     original = CheckpointManager.commit
 
-    def failing(self, step, files, meta):  # the payload files are on disk by now: only the manifest fails
+    def failing(self, step, files, meta, **options):  # the payload files are on disk by now: only the manifest fails
         assert (self.root / f"step-{step:09d}").is_dir()
         raise OSError(28, "No space left on device")
 
@@ -125,11 +125,11 @@ def test_cli_reports_failed_saves_and_exits_75(tiny_mnist: Path, tmp_path: Path,
     original = CheckpointManager.commit  # what the engine calls once a save's files are written
     calls = []
 
-    def flaky(self, step, files, meta):
+    def flaky(self, step, files, meta, **options):
         calls.append(step)
         if len(calls) > 1:
             raise OSError(5, "Input/output error")
-        return original(self, step, files, meta)
+        return original(self, step, files, meta, **options)
 
     monkeypatch.setattr(CheckpointManager, "commit", flaky)
     result = CliRunner().invoke(train_command, ["--run-dir", str(tmp_path), "--data-dir", str(tiny_mnist),

@@ -36,6 +36,40 @@ def test_what_makes_a_crash_loop() -> None:
         assert crash_loop([*failing[:2], session(4, 8, stop)], 8) is None
 
 
+def test_a_crash_loop_needs_the_same_code_and_config() -> None:
+    def failed(number: int, code: str = "c1", config: str = "o1") -> SessionRecord:
+        return SessionRecord(number, 0.0, 8, 8, end_step=9, ended="error: NameError", code=code, config=config)
+
+    same = [failed(2), failed(3), failed(4)]
+    assert crash_loop(same, 8, "c1", "o1") == same
+    assert crash_loop(same, 8, "c2", "o1") is None  # the script (or notebook cell) was changed: a new attempt
+    assert crash_loop(same, 8, "c1", "o2") is None  # an option was changed
+    assert crash_loop([failed(2, code="c0"), failed(3), failed(4)], 8, "c1", "o1") is None  # a fix in between
+    assert crash_loop([failed(2, code=None), failed(3), failed(4)], 8, "c1", "o1") is None  # a record of before
+
+
+def test_failures_before_any_checkpoint_never_make_a_crash_loop(tiny_mnist: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Debugging a script: every try fails before its first checkpoint, and the next one still starts."""
+    monkeypatch.setenv("RESUMABLE_FAULTS", json.dumps({"raise_at_step": 1}))
+    for _ in range(4):
+        failed = invoke(tmp_path, tiny_mnist)
+        assert isinstance(failed.exception, RuntimeError), failed.output
+    assert [s.start_step for s in read_sessions(tmp_path)] == [0, 0, 0, 0]
+    monkeypatch.delenv("RESUMABLE_FAULTS")  # the typo is fixed
+    assert invoke(tmp_path, tiny_mnist, "--max-steps", "4").exit_code == 0
+
+
+def test_a_changed_option_starts_a_new_count(tiny_mnist: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RESUMABLE_FAULTS", json.dumps({"raise_at_step": 9}))
+    for _ in range(4):  # session 1 commits up to step 8, sessions 2-4 fail from it
+        assert isinstance(invoke(tmp_path, tiny_mnist).exception, RuntimeError)
+    assert invoke(tmp_path, tiny_mnist).exit_code == EXIT_CRASH_LOOP
+    changed = invoke(tmp_path, tiny_mnist, "--log-every", "2")  # another config: not the same failure again
+    assert isinstance(changed.exception, RuntimeError) and "planted failure at step 9" in str(changed.exception)
+
+
 def test_always_failing_step_stops_the_next_start(tiny_mnist: Path, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RESUMABLE_FAULTS", json.dumps({"raise_at_step": 9}))
@@ -50,6 +84,7 @@ def test_always_failing_step_stops_the_next_start(tiny_mnist: Path, tmp_path: Pa
     message = " ".join(refused.output.split())
     assert "started from step 8" in message and "RuntimeError: planted failure at step 9" in message
     assert "--resume-from STEP" in message and "steps available: 4, 6" in message and "--ignore-crash-loop" in message
+    assert "a changed script, notebook cell or option starts a new count" in message
     assert len(read_sessions(tmp_path)) == 4  # the refused start wrote nothing
     monkeypatch.delenv("RESUMABLE_FAULTS")  # the cause is fixed
     assert invoke(tmp_path, tiny_mnist, "--ignore-crash-loop").exit_code == 0

@@ -117,6 +117,26 @@ def test_a_signal_on_one_rank_stops_all_at_one_step_and_resumes_identically(refe
     assert records(tmp_path) == records(reference)
 
 
+def test_ctrl_c_in_a_terminal_stops_torchrun_and_its_workers_cleanly(reference: Path, mnist_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    """Ctrl-C reaches the launcher (the terminal's process group); torchrun passes SIGINT on to each worker's own
+    process group. Every rank commits at one step, the launcher exits 75, and the same command finishes the run."""
+    command = [str(BIN / "resumable"), "torchrun", "--standalone", "--nproc-per-node", "2",
+               str(BIN / "resumable-train"), "--run-dir", str(tmp_path), "--data-dir", str(mnist_dir), *TRAIN]
+    agent = subprocess.Popen(command, env=env(OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+    _wait_for_checkpoint(tmp_path, agent, 5)
+    os.killpg(agent.pid, signal.SIGINT)
+    _, stderr = agent.communicate(timeout=300)
+    assert agent.returncode == 75, stderr[-3000:]
+    assert "stopped early (SIGINT)" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    again = subprocess.run(command, env=env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300,
+                           stdin=subprocess.DEVNULL)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert final_fingerprint(tmp_path) == final_fingerprint(reference)
+    assert records(tmp_path) == records(reference)
+
+
 def test_one_process_resumes_a_two_rank_checkpoint_with_a_warning(mnist_dir: Path, tmp_path: Path) -> None:
     agent = _torchrun(tmp_path, mnist_dir, "--max-steps", "12")
     _, stderr = agent.communicate(timeout=300)

@@ -49,7 +49,7 @@ class _Writer:
 
     def check(self) -> None: ...
 
-    def wait(self) -> None: ...
+    def wait(self, on_wait=None) -> None: ...  # noqa: ANN001
 
 
 class _Manager:

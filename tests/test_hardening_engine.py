@@ -65,7 +65,9 @@ _BODIES = {
     "Ctrl-C in the body": ("for epoch, step, batch in run:\n    if step == 5:\n        raise KeyboardInterrupt\n",
                            "interrupted (Ctrl-C)"),
     "break, then the script ends": ("for epoch, step, batch in run:\n    if step == 5:\n        break\n",
-                                    "interrupted"),
+                                    "break"),
+    "raise after a break, elsewhere": ("for epoch, step, batch in run:\n    if step == 5:\n        break\n"
+                                       "raise ValueError('not the loop')\n", "break"),
 }
 
 
@@ -79,6 +81,22 @@ def test_an_exception_in_the_loop_body_is_recorded_where_it_passes(tmp_path: Pat
     assert "Exception ignored" not in done.stderr and "NameError" not in done.stderr, done.stderr[-2000:]
     sessions = read_sessions(tmp_path / "run")
     assert [(s.end_step, s.ended) for s in sessions] == [(5, ended)], done.stderr[-2000:]
+
+
+def test_a_script_that_breaks_out_and_works_on_is_not_killed_by_the_watchdog(tmp_path: Path) -> None:
+    """The loop left by break ends its session at once: the watchdog is disarmed, the run dir released."""
+    script = tmp_path / "train.py"
+    script.write_text(f"import sys, time; sys.path.insert(0, {str(TESTS)!r})\n"
+                      f"from test_hardening_engine import tiny_run\n"
+                      f"run = tiny_run({str(tmp_path / 'run')!r}, hang_timeout='1s')\n"
+                      f"for epoch, step, batch in run:\n    if step == 3:\n        break\n"
+                      f"time.sleep(3)  # evaluation, plotting... for longer than the hang timeout\n"
+                      f"again = tiny_run({str(tmp_path / 'run')!r})  # the run dir is free\n"
+                      f"print('trained on to', [s for _, s, _ in again][-1])\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "trained on to 9" in done.stdout
+    assert [s.ended for s in read_sessions(tmp_path / "run")] == ["break", "finished"]
 
 
 # -- signals during start-up, SIGHUP, a closed stderr ---------------------------------------------------------
@@ -198,8 +216,8 @@ def test_a_record_that_cannot_be_written_never_stops_training(tmp_path: Path, mo
 def test_a_run_dir_emptied_under_a_live_run_does_not_end_in_done(tmp_path: Path, monkeypatch) -> None:
     real = CheckpointManager.commit  # what the engine calls once a save's files are written
 
-    def commit_then_lose_it(self, step, files, meta):
-        info = real(self, step, files, meta)
+    def commit_then_lose_it(self, step, files, meta, **options):
+        info = real(self, step, files, meta, **options)
         if step == 10:  # the final checkpoint commits, then someone deletes the run's checkpoints
             shutil.rmtree(self.root)
         return info

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import env
 
 pytest.importorskip("transformers")
@@ -245,9 +246,15 @@ def test_a_finished_run_is_not_trained_again(tmp_path: Path) -> None:
     trainer = hf_train.build(str(out), 20, 5, None, [first])
     first.train(trainer)
     assert trainer.state.global_step == 20 and committed(out)[-1] == 20
-    again = ResumableCallback()  # the notebook cell run again after the end
-    assert again.train(hf_train.build(str(out), 20, 5, None, [again])) is None and again.exit_code == 0
+    final = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    again = ResumableCallback()  # the notebook cell run again after the end: a new, untrained model
+    rerun = hf_train.build(str(out), 20, 5, None, [again])
+    assert again.train(rerun) is None and again.exit_code == 0
     assert committed(out)[-1] == 20 and not (out / "checkpoint-21").exists()
+    # ... holds the final weights and the log history, as the train() that completed the run left its trainer
+    assert all(torch.equal(rerun.model.state_dict()[k], v) for k, v in final.items())
+    steps = [record for record in trainer.state.log_history if "train_runtime" not in record]  # not the summary
+    assert rerun.state.global_step == 20 and rerun.state.log_history == steps
     more = ResumableCallback()  # more steps asked: it trains on from step 20
     longer = hf_train.build(str(out), 25, 5, None, [more])
     more.train(longer)

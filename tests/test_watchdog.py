@@ -12,7 +12,15 @@ from click.testing import CliRunner
 from helpers import command, env, final_fingerprint, inspect_json, records
 
 from resumable.cli import train_command
-from resumable.engine.watchdog import FIRST_STEP_S, FLOOR_S, MIN_SAMPLES, Watchdog, default_timeout
+from resumable.engine.watchdog import (
+    FIRST_STEP_S,
+    FLOOR_S,
+    MIN_SAMPLES,
+    SAVE_FACTOR,
+    Overdue,
+    Watchdog,
+    default_timeout,
+)
 from resumable.errors import EXIT_HANG
 
 ARGS = ["--batch-size", "16", "--epochs", "3", "--checkpoint-steps", "2", "--log-every", "1", "--no-progress",
@@ -38,13 +46,37 @@ def test_first_step_allowance_pauses_and_beats() -> None:
     assert dog.overdue() is None
     dog.beat(11)
     assert dog.limit() == 2.0
-    with dog.paused():  # evaluation or a blocking save: not counted
+    with dog.paused():  # evaluation: not counted
         now[0] = 1000.0
         assert dog.overdue() is None
     now[0] = 1001.5  # the clock restarted when the pause ended
     assert dog.overdue() is None
     now[0] = 1003.0
-    assert dog.overdue() == (11, 3.0, 2.0)
+    assert dog.overdue() == Overdue(11, 3.0, 2.0, "step")
+
+
+def test_saves_are_watched_against_their_own_bound_and_idle_loops_not_at_all() -> None:
+    now, slowest = [0.0], [0.0]
+    dog = Watchdog(2.0, lambda *hung: None, clock=lambda: now[0], slowest_save=lambda: slowest[0])
+    dog.beat(5)
+    assert dog.save_limit() == 2.0  # no save measured yet: the hang timeout
+    slowest[0] = 0.5
+    assert dog.save_limit() == SAVE_FACTOR * 0.5  # 10x the slowest save so far, when that is longer
+    with dog.saving():  # a save stuck on a dead mount is a hang like any other
+        now[0] = 4.9
+        assert dog.overdue() is None
+        now[0] = 5.5
+        assert dog.overdue() == Overdue(5, 5.5, 5.0, "save")
+    now[0] = 6.0  # the step clock restarted after the save
+    assert dog.overdue() is None
+    dog.idle()  # control is outside the loop (a notebook cell ended with it suspended): nothing is watched
+    now[0] = 1000.0
+    assert dog.overdue() is None
+    dog.wake()  # the loop runs again: the step's clock starts now
+    now[0] = 1001.0
+    assert dog.overdue() is None
+    now[0] = 1002.5
+    assert dog.overdue() == Overdue(5, 2.5, 2.0, "step")
 
 
 def _train(run_dir: Path, data: Path, *extra: str, **extra_env: str) -> subprocess.CompletedProcess:

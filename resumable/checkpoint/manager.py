@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..errors import SaveFailed
 from ..faults import NO_FAULTS, Faults
 from . import format as fmt
 from . import paths
@@ -190,10 +192,14 @@ class CheckpointManager:
                     for name, entry in manifest["files"].items()}
         return {}
 
-    def commit(self, step: int, files: dict[str, dict[str, Any]], meta: dict[str, Any]) -> CheckpointInfo:
-        """Write the manifest of a step dir whose files are on disk: from now on it is a checkpoint."""
+    def commit(self, step: int, files: dict[str, dict[str, Any]], meta: dict[str, Any], *,
+               abandoned: threading.Event | None = None) -> CheckpointInfo:
+        """Write the manifest of a step dir whose files are on disk: from now on it is a checkpoint. ``abandoned``
+        set: the session gave up on this save (it was stuck), so it must not become a checkpoint now."""
         directory = self.root / fmt.step_dir_name(step)
-        self.faults.before_commit(step)
+        self.faults.before_commit(step, abandoned)
+        if abandoned is not None and abandoned.is_set():
+            raise SaveFailed(f"the save of step {step} was abandoned (stuck); it is not committed")
         manifest = seal({
             **meta,
             "format": fmt.FORMAT_NAME,

@@ -139,6 +139,7 @@ class Checkpointer:
             self._discard_unfinished(step)
             raise
         self._tell_direct(pending, step, started)
+        abandoned = threading.Event()  # set when the session gives up on this save (stuck): it must not commit
 
         def persist() -> int:
             try:
@@ -146,9 +147,10 @@ class Checkpointer:
                 meta["fingerprint"], meta["fingerprint_version"] = written.fingerprint, written.fingerprint_version
                 if self.before_commit is not None:
                     self.before_commit()
-                info = self.manager.commit(step, written.files, meta)
+                info = self.manager.commit(step, written.files, meta, abandoned=abandoned)
             except BaseException:
-                self._discard_unfinished(step)  # a disk full for a while gets its space back for the next save
+                if not abandoned.is_set():  # an abandoned save leaves its files to the next start's clean-up
+                    self._discard_unfinished(step)  # a disk full for a while gets its space back for the next save
                 raise
             self.prune()
             self._last_size = info.size
@@ -157,7 +159,7 @@ class Checkpointer:
                 self.after_commit(step)
             return written.written
 
-        self.writer.submit(f"step {step}", persist, blocked_since=started)
+        self.writer.submit(f"step {step}", persist, blocked_since=started, abandoned=abandoned)
         self.last_saved_step = step
         if wait:
             self.writer.wait()

@@ -19,7 +19,9 @@ starts, queue a seed that lands on the GPUs later).
 
 from __future__ import annotations
 
+import functools
 import random
+import signal
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -29,6 +31,38 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from .sampler import ResumableSampler, epoch_seed
+
+# Signals a worker leaves to the main process: a terminal's Ctrl-C (and a notebook's interrupt) reaches the whole
+# process group, and a worker it killed would fail the main process's next batch instead of letting it stop cleanly.
+# SIGTERM keeps its default, so that the DataLoader can still terminate a stuck worker.
+WORKER_IGNORES = ("SIGINT", "SIGHUP")
+
+
+def _start_worker(user_init: Callable[[int], None] | None, worker_id: int) -> None:
+    for name in WORKER_IGNORES:
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    if user_init is not None:
+        user_init(worker_id)
+
+
+def worker_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``DataLoader`` options whose workers (if any) ignore :data:`WORKER_IGNORES`, then run the user's
+    ``worker_init_fn``; the main process stops, and shuts them down."""
+    if not options.get("num_workers"):
+        return options
+    return {**options, "worker_init_fn": functools.partial(_start_worker, options.get("worker_init_fn"))}
+
+
+def shut_down(iterator: Any) -> None:
+    """End a ``DataLoader`` iterator's worker processes now (dropping it leaves that to garbage collection, which a
+    traceback holding a frame can delay indefinitely)."""
+    stop = getattr(iterator, "_shutdown_workers", None)
+    if callable(stop):
+        try:
+            stop()
+        except Exception:  # noqa: BLE001 - a worker that is already gone
+            pass
 
 
 def batch_seed(seed: int, epoch: int, index: int, rank: int = 0) -> int:
@@ -169,7 +203,9 @@ class LoaderBatches:
         generator = torch.Generator()
         generator.manual_seed(epoch_seed(sampler.seed ^ 0x5EED, epoch))
         batches = EpochBatchSampler(sampler, epoch, start, through_epochs=self.persistent)
-        self._iterator = iter(DataLoader(self.dataset, batch_sampler=batches, generator=generator, **self.options))
+        shut_down(self._iterator)  # the previous epoch's workers, if it was left early
+        self._iterator = iter(DataLoader(self.dataset, batch_sampler=batches, generator=generator,
+                                         **worker_options(self.options)))
         self._next = (epoch, start)
         self._batches = sampler.batches_per_epoch
         return self._fetch
@@ -182,5 +218,6 @@ class LoaderBatches:
         return batch
 
     def close(self) -> None:
-        self._iterator = None  # shuts the workers down
+        shut_down(self._iterator)
+        self._iterator = None
         self._next = None

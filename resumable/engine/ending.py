@@ -2,25 +2,31 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from .. import log
 from ..checkpoint import CheckpointManager
 from ..checkpoint.format import step_dir_name
-from ..config import parse_duration
-from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME
+from ..checkpoint.writer import CheckpointWriter
+from ..config import format_duration, parse_duration
+from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME, ResumableError, StopNow
 from ..storage.tiered import Mirror
 from .checkpointer import Checkpointer
 from .loop import Outcome
-from .preemption import Budget
+from .preemption import Budget, StopFlag
 from .state import TrainState
 
 
-def close_mirror(mirror: Mirror, flush_timeout: str, interrupted: bool, budget: Budget | None = None) -> bool:
+def close_mirror(mirror: Mirror, flush_timeout: str, interrupted: bool, budget: Budget | None = None,
+                 stop: Callable[[], bool] | None = None) -> bool:
     """Training never waits on Drive, except here at exit, for at most --drive-flush-timeout (not at all
     after a second Ctrl-C: the user wants out now, and what is committed locally goes up next time).
 
     Returns whether the newest committed checkpoint is *not* durable on the remote now (the session then exits
     EXIT_NOT_DURABLE). Judged by what is there at exit: a pass that failed earlier and was made good later does
-    not count. Not judged after a second Ctrl-C or a lost lease (those exit 130 and 75 whatever Drive holds)."""
+    not count. Not judged after a second Ctrl-C or a lost lease (those exit 130 and 75 whatever Drive holds).
+    ``stop()`` true (a second interrupt during the wait) ends the wait at once, as ``interrupted`` would have."""
     if interrupted:
         mirror.close(timeout=0)  # stops before its next remote call; the file in flight may still land
         log.warning(f"interrupted: not waiting for uploads to {mirror.remote.description}; checkpoints not yet "
@@ -32,7 +38,9 @@ def close_mirror(mirror: Mirror, flush_timeout: str, interrupted: bool, budget: 
         log.warning(f"not uploading to {mirror.remote.description}: {lost}; checkpoints not yet there stay in "
                     f"{mirror.local.root}")
         return False
-    pending = mirror.flush(parse_duration(flush_timeout))
+    pending = mirror.flush(parse_duration(flush_timeout), stop)
+    if stop is not None and stop():
+        return close_mirror(mirror, flush_timeout, True)
     if not mirror.close(timeout=parse_duration(flush_timeout)):  # nothing goes up once the lease is released
         log.warning(f"an upload to {mirror.remote.description} is still running after --drive-flush-timeout; "
                     f"it stops after its current file")
@@ -97,31 +105,68 @@ def report_durable(mirror: Mirror, budget: Budget) -> None:
 
 def summarise(checkpointer: Checkpointer, state: TrainState, outcome: Outcome | None, lost: str | None,
               run_dir: str) -> None:
-    log.info(checkpointer.writer.stats.summary())
+    log.summary(checkpointer.writer.stats.summary())
     if outcome is None or outcome.finished:
-        log.info(f"done at step {state.step}; newest checkpoint {checkpointer.manager.root / f'step-{state.step:09d}'}")
+        log.summary(f"done at step {state.step}; newest checkpoint "
+                    f"{checkpointer.manager.root / f'step-{state.step:09d}'}")
         return
     if outcome.reason == "save error":
         latest, _ = checkpointer.manager.latest_valid()
-        log.info(f"stopped early (a checkpoint could not be written): the newest valid checkpoint is step "
+        log.summary(f"stopped early (a checkpoint could not be written): the newest valid checkpoint is step "
                  f"{latest.step if latest else 'none'}. Fix the cause (disk space, I/O errors), then run the "
                  f"same command again to continue from it (exit code {EXIT_RESUME})")
+    elif outcome.reason == "save stuck":  # its disk may be dead: nothing is read from it again
+        log.summary(f"stopped early: a checkpoint save was stuck (a dead mount or disk?) and was given up; the newest "
+                    f"checkpoint committed before it stays valid. Run the same command again once the disk answers "
+                    f"(exit code {EXIT_RESUME})")
     elif outcome.reason == "checkpoint missing":
         latest, _ = checkpointer.manager.latest_valid()
-        log.info(f"stopped: the newest valid checkpoint is {f'step {latest.step}' if latest else 'none'}; run the "
+        log.summary(f"stopped: the newest valid checkpoint is {f'step {latest.step}' if latest else 'none'}; run the "
                  f"same command again to continue from it (exit code {EXIT_RESUME})")
     elif outcome.reason == "lock lost":
         log.error(f"stopped: {lost or 'the run dir lock was lost'}; nothing more was written. The other process "
                   f"now owns {run_dir} (exit code {EXIT_RESUME})")
     else:
-        log.info(f"stopped early ({outcome.reason}): state committed at step {state.step}. "
+        log.summary(f"stopped early ({outcome.reason}): state committed at step {state.step}. "
                  f"Run the same command again to continue (exit code {EXIT_RESUME})")
+
+
+def finish_save(writer: CheckpointWriter, bound: float, stop: StopFlag | None) -> bool:
+    """At the end of a session left early: wait for the save in flight (it is consistent and commits) for at most
+    ``bound`` seconds, or until a second stop signal (``stop.forced``); give up a save still running then (stuck:
+    it never commits, and the newest committed checkpoint stays valid). Returns whether a given-up save's thread is
+    still running (a dead disk: it cannot be stopped from Python)."""
+    if writer.busy:
+        label = writer.label
+        deadline = time.monotonic() + bound
+        try:
+            if stop is not None:
+                stop.saving = True  # a second stop signal (it only sets ``forced`` now) gives the save up
+            while not writer.wait_idle(min(0.1, max(deadline - time.monotonic(), 0.0))):
+                if time.monotonic() >= deadline or (stop is not None and stop.forced):
+                    break
+        except (KeyboardInterrupt, StopNow):  # raised by other code's handlers: give the save up too
+            pass
+        finally:
+            if stop is not None:
+                stop.saving = False
+        if writer.busy and writer.abandon():
+            log.warning(f"gave up the checkpoint save of {label}, still running" + ("" if bound == 0 else
+                        f" after {format_duration(bound)} (stuck on its disk?)") + ": it is not committed, and "
+                        "the newest committed checkpoint stays valid")
+    try:
+        writer.wait()
+    except ResumableError as e:
+        log.warning(f"the last checkpoint save failed: {e}")
+    return writer.abandoned_thread is not None and writer.abandoned_thread.is_alive()
 
 
 def describe_error(error: BaseException) -> str:
     """How a session that an exception ended is recorded in sessions.jsonl."""
     if isinstance(error, KeyboardInterrupt):
         return "interrupted (Ctrl-C)"
+    if isinstance(error, StopNow):  # a second stop signal during a save: a stop on purpose, not a failure
+        return f"{error.signal_name} (at once)"
     return f"error: {type(error).__name__}"
 
 
@@ -133,7 +178,7 @@ def error_detail(error: BaseException) -> str:
 def confirm_committed(outcome: Outcome | None, manager: CheckpointManager, step: int) -> Outcome | None:
     """Before reporting the state committed, read the newest checkpoint back from where it claims to be: a run
     dir deleted or emptied under a live run must not end in "done" with no checkpoint anywhere."""
-    if outcome is None or outcome.reason in ("save error", "lock lost"):
+    if outcome is None or outcome.reason in ("save error", "save stuck", "lock lost"):
         return outcome
     info = manager.check(step, manager.root / step_dir_name(step), deep=False)
     if info.valid:

@@ -15,7 +15,7 @@ import torch
 
 from .. import log
 from ..config import format_duration
-from ..errors import SaveFailed
+from ..errors import SaveFailed, SaveStuck
 from ..reporting.reporters import Reporter
 from .checkpointer import Checkpointer
 from .distributed import Distributed, Pending
@@ -23,6 +23,8 @@ from .preemption import Budget, StopFlag
 from .sampler import ResumableSampler
 from .triggers import SaveTriggers
 from .watchdog import Watchdog
+
+STOP_GRACE_S = 10.0  # after a stop is asked for, a save the loop waits for gets this long (or 3x the slowest save)
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,8 @@ class LoopPlan:
 @dataclass
 class Outcome:
     finished: bool
-    reason: str  # "finished", or why it stopped early: a signal name, "time limit", "save error", "lock lost"
+    reason: str  # "finished", or why it stopped early: a signal name, "time limit", "save error", "save stuck",
+    # "lock lost"
 
 
 class _Estimate:
@@ -95,10 +98,47 @@ class Loop:
         self.eval_time = _Estimate()
         self._clock = time.monotonic()
         self._session_start_step = self.state.step
-        self.watchdog = watchdog  # ticked at each step, paused around evaluation and blocking saves
+        self.watchdog = watchdog  # ticked at each step, paused around evaluation, bounding blocking saves
+        self._told_waiting = False
+        self._stuck = False  # a save was given up as stuck: nothing more is read or written on that disk
 
     def _paused(self) -> contextlib.AbstractContextManager:
         return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _saving(self) -> Iterator[None]:
+        """The loop blocks on a checkpoint save: watched against the save bound (engine/watchdog.py), and a second
+        stop signal stops at once (engine/preemption.py)."""
+        watch = self.watchdog.saving() if self.watchdog is not None else contextlib.nullcontext()
+        if self.stop is not None:
+            self.stop.saving = True
+        try:
+            with watch:
+                yield
+        finally:
+            if self.stop is not None:
+                self.stop.saving = False
+
+    def _waiting(self, waited_s: float) -> None:
+        """Called while the loop waits for a save. Once a stop was asked for, the save gets a grace (say so, and how
+        to stop at once); a save still running after it is stuck (a dead mount): given up, so that the stop gives
+        control back."""
+        stop, writer = self.stop, self.session.writer
+        if stop is None or not stop.requested:
+            return
+        grace = max(STOP_GRACE_S, 3 * writer.stats.slowest_s)
+        if not self._told_waiting and waited_s >= 1.0:
+            self._told_waiting = True
+            again = "interrupt again" if stop.requested == "SIGINT" else f"send {stop.requested} again"
+            log.warning(f"stopping ({stop.requested}) once the checkpoint of {writer.label} is written (running "
+                        f"{waited_s:.0f}s; it is given up after {grace:.0f}s more); {again} to stop at once without "
+                        f"it: the newest committed checkpoint stays valid")
+        asked = stop.requested_at
+        label = writer.label
+        since = waited_s if asked is None else min(waited_s, time.monotonic() - asked)  # waited since the stop
+        if since > grace and writer.abandon():
+            raise SaveStuck(f"the checkpoint of {label} was still being written {grace:.0f}s after the stop was asked "
+                            f"for (a dead mount or disk?): given up, it is not committed")
 
     # -- plan --------------------------------------------------------------------------------------
     @property
@@ -214,18 +254,18 @@ class Loop:
                     outcome = Outcome(False, reason)
                     break
         self._drain()
-        with self._paused():
+        with self._saving():
             self._wait_saves()  # a save still in flight may fail: its outcome decides how this run ends
         if outcome.reason == "lock lost":  # another process owns the run dir now: write nothing more
             self.outcome = outcome
             return
         if not self._failed_anywhere() and self._agree(self.session.last_saved_step != self.state.step):
             self._save(outcome.reason if not outcome.finished else "final")
-            with self._paused():
+            with self._saving():
                 self._wait_saves(last=True)  # the last save commits before the run ends
         committed = self._save_error is None and self.session.last_saved_step == self.state.step
         if self._agree(not committed):  # the newest state is not committed: never "done", on any rank
-            outcome = Outcome(False, "save error")
+            outcome = Outcome(False, "save stuck" if self._stuck else "save error")
         self.outcome = outcome
 
     def _check_saves(self) -> None:
@@ -236,7 +276,7 @@ class Loop:
 
     def _wait_saves(self, last: bool = False) -> None:
         try:
-            self.session.writer.wait()
+            self.session.writer.wait(self._waiting)
         except SaveFailed as e:
             self._save_failed(e, last)
 
@@ -254,7 +294,12 @@ class Loop:
 
     def _save_failed(self, error: SaveFailed, last: bool = False) -> None:
         """Apply --on-save-error: a failed save never counts, the newest valid checkpoint stays.
-        ``last``: the run's final save, after which nothing tries again."""
+        ``last``: the run's final save, after which nothing tries again. A stuck save stops in any case, without
+        reading the (probably dead) disk again."""
+        if isinstance(error, SaveStuck):
+            self._save_error, self._stuck = str(error), True
+            log.error(f"{error}; the newest committed checkpoint stays valid")
+            return
         latest, _ = self.session.manager.latest_valid()
         newest = f"step {latest.step}" if latest else "none yet"
         if self.plan.on_save_error == "stop":
@@ -363,7 +408,7 @@ class Loop:
         self._clock = now
 
     def _save(self, reason: str, metrics: dict[str, float] | None = None) -> None:
-        with self._paused():
+        with self._saving():
             self._save_now(reason, metrics)
 
     def _save_now(self, reason: str, metrics: dict[str, float] | None) -> None:

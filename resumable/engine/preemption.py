@@ -2,11 +2,14 @@
 
 Signal handlers only set a flag; the loop commits a checkpoint at the next step boundary and the process
 exits with :data:`EXIT_RESUME` ("stopped early, state committed, run again to continue"). A second
-SIGINT raises KeyboardInterrupt at once; the last committed checkpoint stays valid.
+SIGINT raises KeyboardInterrupt at once, and so does any second stop signal while the loop waits for a checkpoint
+save (:class:`~resumable.errors.StopNow` for SIGTERM, SIGHUP, SIGUSR1): a save stuck on a dead mount must not hold
+the process; the last committed checkpoint stays valid.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -15,6 +18,8 @@ import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
+
+from ..errors import StopNow
 
 COLAB_VM_LIFETIME_S = 12 * 3600.0
 COLAB_SAFETY_S = 20 * 60.0
@@ -44,6 +49,12 @@ def install_startup_handlers() -> None:
 class StopFlag:
     """Installs handlers for SIGTERM, SIGINT, SIGUSR1 and SIGHUP while active; restores the old ones on exit.
 
+    ``saving`` (set by the loop while it waits for a save): a second stop signal then stops at once. ``armed``: the
+    loop is running, so an exception handed over by :meth:`interrupt` (a hang found by the watchdog) or a forced
+    stop is raised; once the loop ends (its clean-up), signals only set :attr:`requested` and :attr:`forced`, which
+    the clean-up's waits poll. :meth:`suspend` gives the signals back while control is outside the loop (a notebook
+    cell ended with the loop suspended), :meth:`resume` takes them again.
+
     >>> with StopFlag() as flag:
     ...     flag.requested is None
     True
@@ -52,29 +63,82 @@ class StopFlag:
     def __init__(self, signals: tuple[str, ...] = STOP_SIGNALS) -> None:
         self.signals = [getattr(signal, name) for name in signals if hasattr(signal, name)]
         self.requested: str | None = None  # name of the first signal received
+        self.requested_at: float | None = None  # when it arrived (time.monotonic())
         self.forced = False  # a second Ctrl-C: stop at once
+        self.saving = False  # the loop waits for a checkpoint save
+        self.armed = True  # the loop runs: an exception handed over by interrupt() is raised
+        self._pending: BaseException | None = None
+        self._thread: int | None = None  # the training thread (the one that entered)
         self._previous: dict[int, Any] = {}
+        self._suspended = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        if self.requested == "SIGINT" and name == "SIGINT":
+        pending, self._pending = self._pending, None
+        if pending is not None:  # the signal interrupt() sent to carry it
+            if self.armed:
+                raise pending
+            return
+        if self.requested is not None and (self.saving or self.requested == name == "SIGINT"):
             self.forced = True  # the clean-up that follows must not wait (e.g. for Drive uploads)
-            raise KeyboardInterrupt  # second Ctrl-C: stop now
+            if not self.armed:
+                return  # the loop is ending: its clean-up sees ``forced`` and stops waiting
+            if name == "SIGINT":
+                raise KeyboardInterrupt  # second Ctrl-C: stop now
+            raise StopNow(name)
         if self.requested is None:
-            self.requested = name
+            self.requested, self.requested_at = name, time.monotonic()
 
-    def __enter__(self) -> StopFlag:
+    def interrupt(self, error: BaseException, wait_s: float = 10.0) -> bool:
+        """From another thread: raise ``error`` in the training thread, even inside a blocking system call (the main
+        thread gets a signal, whose handler raises it). Returns whether it was taken within ``wait_s``; a thread
+        blocked in C code that does not return takes it when (if ever) it returns."""
+        thread = self._thread
+        if thread is None:
+            return False
+        if thread == threading.main_thread().ident and self._previous:
+            self._pending = error
+            signal.pthread_kill(thread, signal.SIGINT)
+            deadline = time.monotonic() + wait_s
+            while self._pending is not None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            return self._pending is None
+        # The loop runs in another thread (no signal reaches it): an exception raised at its next bytecode.
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(type(error)))
+        return True
+
+    def suspend(self) -> None:
+        """Give the signals back to their previous handlers (control is outside the loop) until :meth:`resume`."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._suspended = bool(self._previous)
+
+    def resume(self) -> None:
+        if self._suspended:
+            self._suspended = False
+            self._install()
+
+    def _install(self) -> None:
         if threading.current_thread() is threading.main_thread():
             for signum in self.signals:
-                self._previous[signum] = signal.signal(signum, self._handle)
+                previous = signal.signal(signum, self._handle)
+                self._previous.setdefault(signum, previous)
+
+    def __enter__(self) -> StopFlag:
+        self._thread = threading.get_ident()
+        self._install()
         if _EARLY and self.requested is None:  # a signal that arrived during start-up
-            self.requested = _EARLY[0]
+            self.requested, self.requested_at = _EARLY[0], time.monotonic()
             _EARLY.clear()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+        self.armed = False
+        if threading.current_thread() is threading.main_thread():
+            for signum, handler in self._previous.items():
+                signal.signal(signum, handler)
         self._previous.clear()
 
 

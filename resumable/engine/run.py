@@ -22,6 +22,8 @@ running the same code again continues.
 
 from __future__ import annotations
 
+import sys
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -33,8 +35,8 @@ from .. import log
 from ..checkpoint import CheckpointManager, checkpoints_dir, describe_age
 from ..checkpoint.sharded import ShardedFormat
 from ..checkpoint.writer import CheckpointWriter, SaveStats
-from ..config import RunOptions, format_duration
-from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME, ResumableError
+from ..config import DURATION_MAX_S, RunOptions, format_duration
+from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME, Hung, ResumableError, StopNow
 from ..faults import Faults
 from ..reporting.history import SessionLog
 from ..reporting.metrics import METRICS, MetricsLog
@@ -50,19 +52,19 @@ from ..reporting.reporters import (
 from ..reporting.tensorboard import TensorBoardLog
 from ..reporting.wandb import WANDB_ID, WandbReporter, choose_id, require_wandb
 from ..storage.tiered import Mirror
-from . import active, determinism, hardware
+from . import active, determinism, freshstart, hardware, identity, interactive
 from .arguments import as_source, budget, device_of, json_value, plain_module, triggers
 from .checkpointer import Checkpointer
 from .data import IndexBatches
 from .distributed import Distributed
 from .elastic import planned_stop_before_restart, record_planned_stop
-from .ending import close_mirror, confirm_committed, describe_error, error_detail, summarise
+from .ending import close_mirror, confirm_committed, describe_error, error_detail, finish_save, summarise
 from .loop import Loop, LoopPlan, Outcome
 from .position import accept_data_change, remap_position
 from .preemption import StopFlag
 from .rundir import Choice, RunDir
 from .state import Stateful, TrainState, as_stateful
-from .verify import StepWatch, check_schedulers
+from .verify import TrainingWatch, check_schedulers
 from .watchdog import Watchdog, start_watchdog
 
 _BUILT_IN = ("model", "optimizer", "scheduler", "scaler", "sampler")
@@ -153,6 +155,9 @@ class Run:
         self._objects: dict[str, Stateful | None] = {"model": plain_module(model), "optimizer": optimizer,
                                                      "scheduler": scheduler, "scaler": scaler,
                                                      "sampler": self.sampler}
+        # as the user passed them: what a later fresh start in this process compares (engine/freshstart.py)
+        self._given: dict[str, Any] = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
+                                       "scaler": scaler, **(objects or {})}
         for name, obj in (objects or {}).items():
             if name in _BUILT_IN:
                 raise ValueError(f"objects={{{name!r}: ...}} clashes with a built-in checkpoint entry; rename it")
@@ -186,6 +191,13 @@ class Run:
         self._error: str | None = None  # its type and message
         self.resume_from, self.ignore_crash_loop = resume_from, ignore_crash_loop
         self.amp, self.amp_switch = amp, dict(amp_switch) if amp_switch else None
+        self._built_in = identity.caller_file(sys._getframe(1))  # the script or notebook cell that built it
+        self._loop_file: str | None = None  # ... and the one that iterates it (see engine/identity.py)
+        self._iterated = False
+        self._left_at: tuple[int, int] | None = None  # where the loop was left (engine/active.py)
+        self._sessions: SessionLog | None = None
+        self._stop: StopFlag | None = None
+        self._close_previous()  # the Run cell was run again while the old loop is open
 
     # -- results -----------------------------------------------------------------------------------
     @property
@@ -216,10 +228,18 @@ class Run:
 
     # -- the loop ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[int, int, Any]]:
-        if self._iterator is not None:
-            raise RuntimeError("this Run is already being iterated; make a new Run to train again")
-        self._iterator = self._iterate()
-        return self._iterator
+        if self._iterated:
+            ended = self.outcome.reason if self.outcome is not None else "left"
+            raise RuntimeError(f"this Run has already trained a session (it ended: {ended}, at step "
+                               f"{self.state.step}); to continue, run the cell (or code) that builds the Run again, "
+                               f"then iterate the new Run: it resumes from the newest committed checkpoint")
+        self._iterated = True
+        self._loop_file = identity.caller_file(sys._getframe(1))
+        generator = self._iterate()
+        # Only the loop holds the generator: a loop left by break or an exception drops it, and CPython finalises
+        # it at once, which ends the session there (engine/active.py), instead of leaving its watchdog armed.
+        self._iterator = weakref.ref(generator)
+        return generator
 
     def __enter__(self) -> Run:
         return self
@@ -227,34 +247,66 @@ class Run:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
         self.close(error)
 
-    def close(self, error: BaseException | None = None) -> None:
+    def close(self, error: BaseException | None = None, reason: str = "closed") -> None:
         """Stop iterating (no new checkpoint; the newest committed one stays) and release the run dir.
 
         ``error``: the exception that ended the loop, recorded as how the session ended (``with run:`` passes
-        it; an exception that leaves a plain ``for`` loop uncaught is recorded through ``sys.excepthook``)."""
-        if error is not None and self._ended_by is None:
-            self._ended_by = describe_error(error)
-            if not isinstance(error, KeyboardInterrupt):
-                self._error = error_detail(error)
-        if self._iterator is not None:
-            self._iterator.close()
+        it; an exception that leaves a plain ``for`` loop is recorded through ``sys.excepthook`` in a script and
+        IPython's ``post_run_cell`` in a notebook: engine/active.py). ``reason``: recorded when there is no error."""
+        generator = self._iterator() if self._iterator is not None else None
+        if generator is not None and generator.gi_frame is not None and not generator.gi_running:
+            if self._ended_by is None:
+                self._ended_by = describe_error(error) if error is not None else reason
+                if error is not None and not isinstance(error, KeyboardInterrupt):
+                    self._error = error_detail(error)
+            generator.close()
+        elif error is not None:
+            self.amend_end(error)
+
+    def amend_end(self, error: BaseException) -> bool:
+        """``error`` was reported after this Run's loop was left: when it is the exception that unwound past the
+        loop, record it as how the session ended (instead of "break"). Returns whether it was."""
+        left, self._left_at = self._left_at, None
+        if left is None or self._sessions is None or not active.unwound(error, left):
+            self._left_at = left
+            return False
+        detail = None if isinstance(error, KeyboardInterrupt) else error_detail(error)
+        return self._sessions.amend(self.state.step, "break", describe_error(error), detail)
+
+    def cell_ended(self, error: BaseException | None) -> None:
+        """A notebook cell ended while this Run's loop is open (an iterator kept in a variable): control is outside
+        the loop, so its hang watchdog waits for the next step (engine/active.py)."""
+        if self._loop is not None and self._loop.watchdog is not None:
+            self._loop.watchdog.idle()
+        if self._stop is not None:
+            self._stop.suspend()  # Ctrl-C in other cells is theirs again
+
+    def _close_previous(self) -> None:
+        """Close an earlier Run of this process on the same run dir whose loop is still open (a notebook cell run
+        again): its lock, threads and workers are released before this one opens the run dir."""
+        previous = active.get(self.run_dir)
+        if previous is not None and previous is not self:
+            log.info(f"closing the previous Run on {self.run_dir} in this process (its cell was run again?)")
+            previous.close(reason="closed: a new Run on its run dir")
 
     def _iterate(self) -> Iterator[tuple[int, int, Any]]:
-        previous = active.get(self.run_dir)
-        if previous is not None and previous is not self:  # before choosing: its last save may still commit
-            log.info(f"closing the previous Run on {self.run_dir} in this process (a re-run notebook cell?)")
-            previous.close()
+        self._close_previous()  # before choosing: its last save may still commit
+        active.wait_for_stuck_save(self.run_dir)
+        self._identity = (identity.code_digest([self._built_in, self._loop_file, identity.class_file(self.model)]),
+                          identity.config_digest(self.settings))
         if self._prepared is not None:
             rundir, choice = self._prepared
+            self._identity = rundir.identity or self._identity  # the one its crash-loop check used
         else:
             rundir, choice = RunDir.open(self.dist, self.run_dir, self.options.cache_dir,
                                          self.options.drive_credentials, self.mode, self.overwrite, self.resume_from,
-                                         self.ignore_crash_loop or self.faults.ignore_crash_loop)
+                                         self.ignore_crash_loop or self.faults.ignore_crash_loop, self._identity)
         self._rundir = rundir
         active.add(self.run_dir, self)
         try:
-            self._restore(rundir, choice)
-            yield from self._train(rundir, choice)
+            with log.quiet(self.options.quiet):
+                self._restore(rundir, choice)
+                yield from self._train(rundir, choice)
         finally:
             active.remove(self.run_dir, self)
             rundir.release()
@@ -278,14 +330,15 @@ class Run:
             keep=self.options.keep, keep_best=self.options.keep_best,
             writer=CheckpointWriter(asynchronous=not self.options.sync_checkpoints),
             before_commit=lambda: self._report.before_commit(),
-            after_commit=self._mirror.submit if self._mirror is not None else None, dist=self.dist,
+            after_commit=self._after_commit, dist=self.dist,
             faults=self.faults, modules=self._objects["model"], store_frozen=self.options.store_frozen,
             staging_memory=self.options.staging_memory_bytes,
             protect=self._mirror.protected if self._mirror is not None else None)
         if self._mirror is not None:
             self._mirror.after_upload = self._checkpointer.prune
         for setting in determinism.set_cheap_defaults():  # before the checkpoint's settings are compared
-            log.info(f"set {setting} for deterministic cuBLAS (see README: bit-identical resumes)")
+            if self.device.type == "cuda":  # set on every device (it is recorded), said only where cuBLAS runs
+                log.info(f"set {setting} for deterministic cuBLAS (see README: bit-identical resumes)")
         check_schedulers(self._objects, resuming=choice.latest is not None)  # the same on every rank
         # where this session trains (engine/hardware.py): recorded in each manifest, compared at a resume
         self._checkpointer.meta.update(hardware.describe(self.device))
@@ -329,9 +382,23 @@ class Run:
                 raise error
             rank, message = failed[0]
             raise ResumableError(f"rank {rank} could not load the checkpoint: {message}")
+        if choice.latest is None:  # the same fresh start every time in this process (engine/freshstart.py)
+            line = freshstart.start_fresh(self.run_dir, {name: (self._given.get(name), obj) for name, obj
+                                                         in self._objects.items() if name != "sampler"},
+                                          self.model, keep_copy=interactive.interactive())
+            if line is not None:
+                log.info(line)
+        else:
+            freshstart.forget(self.run_dir)
         if self.resumed_from is None and not self.model.training:
             log.info("the model was in eval mode; training it in train mode (model.train())")
             self.model.train()
+
+    def _after_commit(self, step: int) -> None:
+        """A checkpoint committed (on the writer's thread): this run's fresh start is on disk now, and Drive gets it."""
+        freshstart.forget(self.run_dir)
+        if self._mirror is not None:
+            self._mirror.submit(step)
 
     def _tracking(self, choice: Choice) -> dict[str, Any]:
         """The W&B run id for the manifests (reporting/wandb.py): kept out of ``computation``, so it never
@@ -347,14 +414,15 @@ class Run:
         if self._tracker is not None and main:
             reporters.append(WandbReporter(self._wandb_id, self.options.wandb, rundir.local, rundir.local / METRICS,
                                            self.settings, run=None if self._tracker == "wandb" else self._tracker))
-        if self.options.progress and main:
+        if self.options.progress and not self.options.quiet and main:
             reporters.append(ProgressReporter())
         reporters.append(ConsoleReporter())
         note = (f"dataset changed from {self.data_change[0]} to {self.data_change[1]} samples (allow_data_change)"
                 if self.data_change else None)
         self._sessions = SessionLog(rundir.local if main else None)
         extra = {"device": hardware.label(self._checkpointer.meta),
-                 **({"amp_switch": self.amp_switch} if self.amp_switch else {})}
+                 **({"amp_switch": self.amp_switch} if self.amp_switch else {}),
+                 "code": self._identity[0], "config": self._identity[1]}
         reporters.append(HistoryReporter(self._sessions, note, extra))
         return Reporters(reporters)
 
@@ -385,6 +453,7 @@ class Run:
                         accumulate=self.accumulate)
         ended, interrupted = "interrupted", False  # the loop was left by break, an exception or close()
         with StopFlag() as stop:
+            self._stop = stop
             session_budget = budget(self.options)
             if self._mirror is not None:  # the final checkpoint must reach Drive before the limit, not only disk
                 session_budget.durable_s = self._mirror.pace.durable_s
@@ -394,8 +463,8 @@ class Run:
                         dist=self.dist, lost=(lambda: rundir.lost) if main else None)
             self._loop = loop
             if loop.finished() and self.resumed_from is not None:
-                log.info(f"run in {self.run_dir} is already complete at step {state.step} (epoch {state.epoch}); "
-                         f"raise epochs or max_steps to train further")
+                log.summary(f"run in {self.run_dir} is already complete at step {state.step} (epoch {state.epoch}); "
+                            f"raise epochs or max_steps to train further")
                 self.outcome = Outcome(True, "finished")
                 self._close_mirror(interrupted=False)
                 return
@@ -405,17 +474,25 @@ class Run:
                      all_ranks=True)
             report.session_start(state.step, loop.total_steps, self.resumed_from)
             loop.watchdog = self._watch(rundir, state.step)
-            completed = False
+            completed, hung = False, False
             try:
                 yield from self._batches(loop)
                 self.outcome = self._confirmed(loop.outcome, manager) if main else loop.outcome
                 ended = loop.outcome.reason if loop.outcome is not None else ended
                 completed = True
-            except KeyboardInterrupt:
-                interrupted = True
+            except (KeyboardInterrupt, StopNow) as e:  # a second Ctrl-C (or stop signal during a save): stop now
+                interrupted, ended = True, describe_error(e)
                 raise
-            except GeneratorExit:  # closed: by close()/with, a re-run notebook cell, or an uncaught exception
-                ended = self._ended_by or ended
+            except Hung:  # the watchdog found the loop hung (a notebook) and has recorded the session's end
+                hung = True
+                raise
+            except GeneratorExit:
+                if self._ended_by is None:  # finalised: the loop was left (break, or an exception unwinding past it)
+                    ended = "interrupted (Ctrl-C)" if stop.forced else "break"
+                    self._left_at = active.loop_position()
+                    active.left(self)  # the exception, if one left it, is reported next (engine/active.py)
+                else:  # closed: by close(), ``with run:``, or a new Run on this run dir
+                    ended = self._ended_by
                 if self._error:
                     self._sessions.note_error(self._error)
                 raise
@@ -424,12 +501,14 @@ class Run:
                 self._sessions.note_error(error_detail(e))
                 raise
             finally:
+                stop.armed = False  # from here on nothing is raised in this thread on the watchdog's behalf
+                saving_hung = loop.watchdog is not None and loop.watchdog.hung_on == "save"
                 if loop.watchdog is not None:
                     loop.watchdog.stop()  # the final uploads are not watched
                 if not completed:
-                    self._wait_quietly()
+                    self._wait_quietly(at_once=stop.forced or hung and saving_hung)
                 report.session_end(state.step, ended)
-                self._close_mirror(interrupted or stop.forced)
+                self._close_mirror(interrupted or stop.forced or hung)
         self._summarise()
         if not self.finished and record_planned_stop(self.dist, rundir.local, self.outcome.reason, state.step):
             # torchrun counts exit 75 as a failure and would restart the group (training on, past the stop, with
@@ -443,9 +522,13 @@ class Run:
         if not self.options.watchdog_on:
             return None
         session = self.dist.broadcast(self._sessions.number)  # rank 0 numbers the sessions: one name on every rank
+        stats = self._checkpointer.writer.stats
+        # In a notebook the process is the user's kernel: a hang raises in the training thread instead of exiting.
+        interrupt = self._stop.interrupt if interactive.interactive() and self._stop is not None else None
         return start_watchdog(self.options.hang_timeout, self.options.hang_timeout_s, rundir.local, self.dist.rank,
                               session, step, self._sessions.end if self.dist.main else None,
-                              self._checkpointer.writer.wait_idle)
+                              self._checkpointer.writer.wait_idle, slowest_save=lambda: stats.slowest_s,
+                              interrupt=interrupt)
 
     def _confirmed(self, outcome: Outcome | None, manager: CheckpointManager) -> Outcome | None:
         return confirm_committed(outcome, manager, self.state.step)
@@ -453,33 +536,41 @@ class Run:
     def _batches(self, loop: Loop) -> Iterator[tuple[int, int, Any]]:
         """The loop's positions turned into batches from the data source, one epoch iterator at a time."""
         fetch, fetch_epoch = None, None
-        watch = StepWatch([o for o in self._objects.values() if hasattr(o, "param_groups")], self._objects["model"])
+        watch = TrainingWatch([o for o in self._objects.values() if hasattr(o, "param_groups")], self._objects["model"])
         try:
             for epoch, index, item, last in loop.run():
                 if fetch_epoch != epoch:
                     fetch, fetch_epoch = self.source.epoch(self.sampler, epoch, index), epoch
                 self.end_of_epoch = last
                 self.sync_step = (index + 1) % self.accumulate == 0 or last
-                yield epoch, self.state.step, fetch(item)
-                if watch is not None and self.sync_step:  # the session's first optimizer step is done
-                    watch, first = None, watch
-                    first.check()
+                batch = fetch(item)
+                watch.begin()
+                yield epoch, self.state.step, batch
+                if loop.watchdog is not None:
+                    loop.watchdog.wake()  # a notebook cell that left the loop suspended made it idle
+                if self._stop is not None:
+                    self._stop.resume()  # ... and gave the signals back
+                if self.sync_step:  # an optimizer step is done: it stepped the Run's objects, or stop here
+                    watch.check()
         finally:
-            if watch is not None:
-                watch.close()
+            watch.close()
             self.source.close()
 
-    def _wait_quietly(self) -> None:
-        """Let an in-flight save finish (it is consistent) without raising over another exception."""
-        try:
-            self._checkpointer.writer.wait()
-        except ResumableError as e:
-            log.warning(f"the last checkpoint save failed: {e}")
+    def _wait_quietly(self, at_once: bool = False) -> None:
+        """Let an in-flight save finish (it is consistent) without raising over another exception; give it up when
+        it is stuck (ending.finish_save), at once after a second interrupt or when the watchdog found it hung."""
+        writer = self._checkpointer.writer
+        watchdog = self._loop.watchdog if self._loop is not None else None
+        bound = 0.0 if at_once else watchdog.save_limit() if watchdog is not None else DURATION_MAX_S
+        if finish_save(writer, bound, self._stop):
+            active.stuck(self.run_dir, writer)  # a new session on this run dir waits for it first
 
     def _close_mirror(self, interrupted: bool) -> None:
         if self._mirror is not None:
+            stop = self._stop
             self._not_durable = close_mirror(self._mirror, self.options.drive_flush_timeout, interrupted,
-                                             self._loop.budget if self._loop is not None else None)
+                                             self._loop.budget if self._loop is not None else None,
+                                             (lambda: stop.forced) if stop is not None else None)
 
     def _summarise(self) -> None:
         summarise(self._checkpointer, self.state, self.outcome, self._rundir.lost if self._rundir else None,

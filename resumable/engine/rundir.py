@@ -103,6 +103,7 @@ class RunDir:
         self.lock = lock
         self.lease = lease
         self.taken_over: str | None = None  # the message when a stale lock/lease was taken over
+        self.identity: tuple[str, str] | None = None  # (code, config) digests of the session (engine/identity.py)
 
     @property
     def local(self) -> Path:
@@ -126,18 +127,23 @@ class RunDir:
 
     @classmethod
     def open(cls, dist: Distributed, run_dir: str, cache_dir: str | None, credentials: str | None, mode: str,
-             overwrite: bool, resume_from: int | None = None, ignore_crash_loop: bool = False) -> tuple[RunDir, Choice]:
+             overwrite: bool, resume_from: int | None = None, ignore_crash_loop: bool = False,
+             identity: tuple[str, str] | None = None) -> tuple[RunDir, Choice]:
         """Open and lock the run dir (rank 0), bring Drive's newest checkpoint back and pick the one to resume
-        (see :func:`choose_checkpoint`), unless the last sessions make a crash loop there (engine/crashloop.py).
-        Raises ResumableError on every rank if rank 0 cannot."""
+        (see :func:`choose_checkpoint`), unless the last sessions make a crash loop there (engine/crashloop.py) for
+        this ``identity`` (the session's code and config digests). Raises ResumableError on every rank if rank 0
+        cannot."""
         if not dist.main:
             chosen = dist.broadcast(None)
             if isinstance(chosen, ResumableError):
                 raise chosen
-            return cls(run_dir, _location(run_dir, cache_dir, credentials)), chosen
+            opened = cls(run_dir, _location(run_dir, cache_dir, credentials))
+            opened.identity = identity
+            return opened, chosen
         opened: RunDir | None = None
         try:
             opened = cls(run_dir, _location(run_dir, cache_dir, credentials))
+            opened.identity = identity
             opened._claim()
             opened._check_entries()
             if opened.taken_over:
@@ -149,10 +155,11 @@ class RunDir:
             if opened.remote is not None and not (mode == "fresh" and overwrite):
                 opened._restore()
             chosen = choose_checkpoint(opened.manager, run_dir, mode, overwrite, resume_from)
-            if mode != "fresh" and not ignore_crash_loop:
-                step = chosen.latest.step if chosen.latest is not None else 0
+            if mode != "fresh" and not ignore_crash_loop and chosen.latest is not None:  # never with nothing committed
+                step = chosen.latest.step
                 older = [i.step for i in opened.manager.inspect(deep=False) if i.valid and i.step < step]
-                check_crash_loop(read_sessions(opened.local, warn=False), step, older, run_dir)
+                code, config = identity if identity is not None else (None, None)
+                check_crash_loop(read_sessions(opened.local, warn=False), step, older, run_dir, code, config)
             if resume_from is not None:
                 set_aside_newer(opened.manager, opened.local, resume_from)
         except OSError as e:  # a full or read-only disk at start: exit 2 with the cause, not a traceback

@@ -42,7 +42,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from .. import log
 from ..errors import ResumableError
-from .data import _Seeded, batch_seed
+from .data import _Seeded, batch_seed, shut_down, worker_options
 from .sampler import epoch_seed
 
 _RESERVED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator")
@@ -130,6 +130,7 @@ class _Stream(ABC):
         self._consumed: dict[str, Any] = {}  # the position after the last batch handed to the loop
         self._ended: tuple[int, int] | None = None  # (epoch, batches) when that epoch's last batch was handed out
         self._iterator: Any = None
+        self.owns_loader = False  # the DataLoader (and its workers) is this stream's own
 
     @property
     def batches_per_epoch(self) -> int | None:
@@ -188,7 +189,9 @@ class _Stream(ABC):
         return _same
 
     def close(self) -> None:
-        self._iterator = None  # shuts the workers down
+        if self.owns_loader:  # a user's loader (persistent workers, perhaps) is the user's to end
+            shut_down(self._iterator)
+        self._iterator = None
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.identity(), "position": copy.deepcopy(self._consumed), "epoch_batches": self.epoch_batches}
@@ -236,6 +239,7 @@ class DatasetStream(_Stream):
         self.options = options
         self.workers = max(int(options.get("num_workers", 0)), 1)
         self.protocol = has_protocol(dataset)
+        self.owns_loader = True
 
     def identity(self) -> dict[str, Any]:
         return {"kind": "dataset stream", "batch_size": self.batch_size, "seed": self.seed, "drop_last": self.drop_last,
@@ -259,7 +263,8 @@ class DatasetStream(_Stream):
         generator.manual_seed(epoch_seed(self.seed ^ 0x57EA, epoch))
         stream = _WorkerStream(self.dataset, self.batch_size, self.collate, self.drop_last, self.protocol,
                                self.seed, epoch, copy.deepcopy(start))
-        self._iterator = iterator = iter(DataLoader(stream, batch_size=None, generator=generator, **self.options))
+        self._iterator = iterator = iter(DataLoader(stream, batch_size=None, generator=generator,
+                                                    **worker_options(self.options)))
         replay = 0 if self.protocol else sum(w["count"] for w in start)
         began = time.perf_counter()
         queues: list[deque] = [deque() for _ in range(self.workers)]

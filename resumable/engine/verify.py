@@ -8,7 +8,7 @@ object, instead of training on from the wrong state.
   ``last_epoch``, the AMP scaler and every RNG stream read back equal the checkpoint's.
 * :func:`unpassed_schedulers`: learning-rate schedulers attached to a checkpointed optimizer (torch marks the
   ``step`` it wraps) that are not checkpointed themselves.
-* :class:`StepWatch` (first step of a session): the optimizer that steps the model is one the Run checkpoints.
+* :class:`TrainingWatch` (every step of a session): the optimizers that step are the Run's, on the Run's model.
 """
 
 from __future__ import annotations
@@ -146,29 +146,72 @@ def check_schedulers(objects: dict[str, Any], resuming: bool) -> None:
                     f"restart its schedule. Pass it: Run(scheduler=...)")
 
 
-class StepWatch:
-    """Records which optimizers step during the first optimizer step of a session (a global post-step hook,
-    removed by :meth:`check`); one that moves the model's parameters but is not checkpointed is an error."""
+class TrainingWatch:
+    """Proof, at every optimizer step of a session, that the objects being trained are the objects the Run saves.
+
+    A global optimizer post-step hook records which optimizers step while the loop body runs (:meth:`begin` before
+    each batch is handed out, :meth:`check` once the step is done). It is an error, raised before any checkpoint of
+    the stale state is committed, when
+
+    * an optimizer the Run does not checkpoint stepped the model's parameters (it was re-created after the Run was
+      built: its state would never be saved);
+    * an optimizer the Run does not checkpoint stepped and none of the Run's did (a model *and* optimizer re-created
+      after the Run was built, e.g. a notebook's model cell run again: the Run would commit its own untrained
+      objects);
+    * the Run's optimizer stepped without a gradient on any of its parameters (checked at its first step: the model
+      was re-created, so the Run's optimizer holds the old one's parameters).
+
+    A step in which no optimizer stepped (a GradScaler skipping an overflow) proves nothing and is not judged. The
+    hook costs one Python call per ``optimizer.step()``."""
 
     def __init__(self, known: list[Any], model: torch.nn.Module) -> None:
         self.known = [o for o in known if o is not None]
         self.params = {id(p) for p in model.parameters()}
-        self.strangers: list[Any] = []
-        self._handle = register_optimizer_step_post_hook(self._stepped)
+        self._stepped: list[Any] = []
+        self._gradless: Any = None
+        self._grads_checked = False
+        self._handle = register_optimizer_step_post_hook(self._record)
 
-    def _stepped(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        if all(optimizer is not k for k in self.known) and any(
-                id(p) in self.params for group in optimizer.param_groups for p in group["params"]):
-            self.strangers.append(optimizer)
+    def _record(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self._stepped.append(optimizer)
+        if not self._grads_checked and any(optimizer is k for k in self.known):
+            self._grads_checked = True
+            if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+                self._gradless = optimizer
+
+    def begin(self) -> None:
+        """A batch goes to the loop body: what steps from now on is its step's."""
+        self._stepped.clear()
 
     def check(self) -> None:
-        self.close()
-        if self.strangers:
-            kind = type(self.strangers[0]).__name__
+        stepped, self._stepped = self._stepped, []
+        if self._gradless is not None:
+            self.close()
+            raise ResumeNotApplied(
+                f"the Run's optimizer ({type(self._gradless).__name__}) stepped, but none of its parameters had a "
+                f"gradient: the model that computed the loss is not the model the Run was built with (was the model "
+                f"re-created after the Run, e.g. its notebook cell run again?). The Run would checkpoint the old, "
+                f"untrained model. Run the cell that builds the Run again (after the model's), then the loop; nothing "
+                f"of this session was committed")
+        strangers = [o for o in stepped if all(o is not k for k in self.known)]
+        if not strangers:
+            return
+        kind = type(strangers[0]).__name__
+        if any(id(p) in self.params for o in strangers for group in o.param_groups for p in group["params"]):
+            self.close()
             raise ResumeNotApplied(f"an optimizer that this Run does not checkpoint ({kind}) stepped the model's "
                                    f"parameters: it was probably re-created after the Run was built, so it did not "
                                    f"get the checkpoint's state and its own state would never be saved. Build the "
                                    f"optimizer before the Run and pass that one (Run(optimizer=...))")
+        if len(strangers) == len(stepped):
+            self.close()
+            raise ResumeNotApplied(f"this step was taken by an optimizer ({kind}) that the Run does not checkpoint, on "
+                                   f"parameters that are not the Run's model's, and the Run's optimizer did not step: "
+                                   f"the model and optimizer were re-created after the Run was built (a notebook's "
+                                   f"model cell run again?), so the Run would checkpoint its own, untrained objects. "
+                                   f"Run the cell that builds the Run again (after the model's), then the loop; "
+                                   f"nothing of this session was committed. (A second optimizer of your own must be "
+                                   f"checkpointed too: Run(objects={{'name': optimizer}}).)")
 
     def close(self) -> None:
         self._handle.remove()

@@ -47,7 +47,7 @@ from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME, NothingToResume
 from . import hf_checkpoints as hf
 from .hf_drive import DriveLink
 
-__all__ = ["ResumableCallback", "finished_at", "latest_valid", "restore"]
+__all__ = ["ResumableCallback", "finished_at", "latest_valid", "load_finished", "restore"]
 
 
 def _seconds(value: str | float | None, name: str) -> float | None:
@@ -160,7 +160,9 @@ class ResumableCallback(TrainerCallback):
         resume = self.latest_valid(trainer.args.output_dir)
         done = finished_at(resume, trainer.args) if resume is not None else None
         if done is not None:
-            log.info(f"training is already complete at step {done} ({resume}); not training again")
+            load_finished(trainer, resume)
+            log.info(f"training is already complete at step {done} ({resume}); not training again: trainer.model holds "
+                     f"its final weights and trainer.state its log history")
             self.stopped_early, self.exit_code = None, 0
             return None
         return trainer.train(resume_from_checkpoint=resume, **kwargs)
@@ -254,6 +256,19 @@ class ResumableCallback(TrainerCallback):
             if self._link.close(self.flush_timeout_s):
                 self.exit_code = EXIT_NOT_DURABLE
             self._link = None
+
+
+def load_finished(trainer: Any, checkpoint: str) -> None:
+    """A session that finds the run complete leaves the Trainer as the ``train()`` that completed it did: the final
+    checkpoint's weights in ``trainer.model`` (through the Trainer's own loader: safetensors, sharded, PEFT adapters)
+    and its state (``global_step``, ``log_history``) in ``trainer.state``."""
+    load = getattr(trainer, "_load_from_checkpoint", None)
+    if load is None:  # a transformers without it: the weights stay as built, and say so
+        log.warning(f"this transformers version has no Trainer._load_from_checkpoint: trainer.model keeps the weights "
+                    f"it was built with; load {checkpoint} yourself to use the trained model")
+    else:
+        load(checkpoint)
+    trainer.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
 
 
 def _run_id_of_newest(output_dir: str) -> str | None:

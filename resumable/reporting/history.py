@@ -6,16 +6,22 @@ killed (or is still running). Records::
 
     {"event": "start", "session": 3, "time": 1764672000.0, "step": 1200, "resumed_from": 1200,
      "host": "colab-vm", "pid": 4242, "device": "cuda (Tesla T4, sm_75)",
-     "amp_switch": {"from": "bf16", "to": "fp16", "why": "..."}}
+     "amp_switch": {"from": "bf16", "to": "fp16", "why": "..."}, "code": "5d41402abc4b2a76",
+     "config": "7d793037a0760186"}
     {"event": "end", "session": 3, "time": 1764675600.0, "step": 2400, "ended": "finished"}
     {"event": "end", "session": 4, "time": 1764679200.0, "step": 2410, "ended": "error: RuntimeError",
      "error": "RuntimeError: CUDA error: an illegal memory access was encountered"}
 
-``ended`` is ``finished``, ``time limit``, ``save error``, ``interrupted``, a signal name (``SIGTERM``), ``hang``
-(the step watchdog fired: engine/watchdog.py) or ``error: TYPE`` (an exception); ``error`` says what failed (for an
-exception, its type and message), which the crash-loop check (engine/crashloop.py) quotes. ``device`` is where the
-session trained (engine/hardware.py); ``amp_switch`` is present only when ``--amp auto`` changed the checkpoint's
-AMP dtype at this start (bf16 on a GPU without native bf16).
+``ended`` is ``finished``, ``time limit``, ``save error``, ``save stuck``, ``interrupted``, a signal name
+(``SIGTERM``, ``SIGTERM (at once)`` for a second one during a save), ``hang`` (the step watchdog fired:
+engine/watchdog.py), ``break`` (the loop was left early: a ``break``, or an exception that the caller caught around
+the loop), ``closed`` or ``error: TYPE`` (an exception); ``error`` says what failed (for an exception, its type and
+message), which the crash-loop check (engine/crashloop.py) quotes. A session may have a second end record: a loop
+left by an exception first records ``break`` (the generator cannot see the exception) and then the exception, once
+the script or notebook cell reports it (engine/active.py); the last end record of a session counts. ``code`` and
+``config`` are digests of the code that built and iterated the Run and of its options (engine/identity.py): a crash
+loop needs them unchanged. ``device`` is where the session trained (engine/hardware.py); ``amp_switch`` is present
+only when ``--amp auto`` changed the checkpoint's AMP dtype at this start (bf16 on a GPU without native bf16).
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ class SessionRecord:
     error: str | None = None  # what failed, when an exception or a hang ended it
     device: str | None = None  # where it trained, e.g. "cuda (Tesla T4, sm_75)" (absent in older records)
     amp_switch: dict | None = None  # the bf16 -> fp16 switch of --amp auto at this start, if any
+    code: str | None = None  # digest of the script or notebook cells that ran it (absent in older records)
+    config: str | None = None  # digest of its options
 
     @property
     def how(self) -> str:
@@ -84,7 +92,8 @@ def _text(value: Any) -> bool:
 # as they are (a newer resumable may add some).
 _START = {"time": (_number, True), "step": (_count, True), "resumed_from": (_optional(_count), False),
           "host": (_optional(_text), False), "pid": (_optional(_count), False),
-          "device": (_optional(_text), False), "amp_switch": (_optional(lambda v: isinstance(v, dict)), False)}
+          "device": (_optional(_text), False), "amp_switch": (_optional(lambda v: isinstance(v, dict)), False),
+          "code": (_optional(_text), False), "config": (_optional(_text), False)}
 _END = {"time": (_optional(_number), False), "step": (_optional(_count), False), "ended": (_optional(_text), False),
         "error": (_optional(_text), False)}
 
@@ -119,7 +128,8 @@ def _sessions(records: list[dict[str, Any]]) -> list[SessionRecord]:
         if record["event"] == "start":
             sessions[number] = SessionRecord(number, float(record["time"]), record["step"],
                                              record.get("resumed_from"), record.get("host"), record.get("pid"),
-                                             device=record.get("device"), amp_switch=record.get("amp_switch"))
+                                             device=record.get("device"), amp_switch=record.get("amp_switch"),
+                                             code=record.get("code"), config=record.get("config"))
         elif record["event"] == "end" and number in sessions:
             entry = sessions[number]
             entry.end, entry.end_step, entry.ended = record.get("time"), record.get("step"), record.get("ended")
@@ -145,6 +155,7 @@ class SessionLog:
         self.path = Path(run_dir) / SESSIONS if run_dir is not None else None
         self.number: int | None = None
         self.error: str | None = None  # what failed, recorded with the end (see :meth:`note_error`)
+        self.last_end: tuple[int, str] | None = None  # (session, ended) of the end record this log wrote
         self._ending = threading.Lock()
 
     def _append(self, record: dict) -> None:
@@ -181,6 +192,19 @@ class SessionLog:
             number, self.number = self.number, None
         if number is None:
             return
+        self.last_end = (number, ended)
         record = {"event": "end", "session": number, "time": time.time(), "step": step, "ended": ended}
         error = error or self.error
         self._append({**record, "error": error[:ERROR_MAX]} if error else record)
+
+    def amend(self, step: int, was: str, ended: str, error: str | None) -> bool:
+        """Write a second end record for the session this log ended as ``was`` (the reader keeps the last): a loop
+        left by an exception ends as ``break`` before the exception is known. False when that session ended
+        otherwise (a hang recorded by the watchdog stays a hang)."""
+        if self.path is None or self.last_end is None or self.last_end[1] != was:
+            return False
+        number, _ = self.last_end
+        self.last_end = (number, ended)
+        record = {"event": "end", "session": number, "time": time.time(), "step": step, "ended": ended}
+        self._append({**record, "error": error[:ERROR_MAX]} if error else record)
+        return True

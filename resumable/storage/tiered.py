@@ -347,12 +347,16 @@ class Mirror:
             self._runs[step] = run_of(manifest)
         return same_run(self._runs[step], self.run_id)
 
-    def flush(self, timeout: float) -> list[int]:
+    def flush(self, timeout: float, stop: Callable[[], bool] | None = None) -> list[int]:
         """Upload what is pending and prune (a grace that has run out since the last submit ends now); wait up
-        to ``timeout`` s. Returns the kept steps still not durable remotely."""
+        to ``timeout`` s, or until ``stop()`` (a second interrupt). Returns the kept steps still not durable
+        remotely."""
         if not self._closed:
             self._request()
-        self._idle.wait(timeout)
+        deadline = time.monotonic() + timeout
+        while not self._idle.wait(min(0.1, max(deadline - time.monotonic(), 0.0))):
+            if time.monotonic() >= deadline or (stop is not None and stop()):
+                break
         return self.pending()
 
     def close(self, timeout: float | None = None) -> bool:

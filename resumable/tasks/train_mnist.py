@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import log
 from ..checkpoint.writer import SaveStats
 from ..config import COMPUTATION_FIELDS, SESSION_FIELDS, TrainConfig
-from ..engine import hardware
+from ..engine import hardware, identity
 from ..engine.data import IndexBatches
 from ..engine.distributed import Distributed
 from ..engine.run import Run
@@ -21,6 +21,7 @@ from ..engine.rundir import RunDir
 from ..engine.state import TrainState, seed_everything
 from ..errors import ConfigMismatch, ResumableError
 from ..faults import Faults
+from . import mnist
 from .mnist_task import MnistTask
 
 _RESUME = {"auto": "auto", "resume": "must", "fresh": "never"}
@@ -83,8 +84,11 @@ def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False,
 def _train(dist: Distributed, explicit: dict[str, Any], mode: str, overwrite: bool, resume_from: int | None,
            ignore_crash_loop: bool) -> TrainResult:
     run_dir = explicit.get("run_dir", TrainConfig.run_dir)
+    # What this session runs, for the crash-loop check: this task's code and the options given (engine/identity.py).
+    session = (identity.code_digest([__file__, mnist.__file__]), identity.config_digest(explicit))
     rundir, choice = RunDir.open(dist, run_dir, explicit.get("cache_dir"), explicit.get("drive_credentials"), mode,
-                                 overwrite, resume_from, ignore_crash_loop or Faults.from_env().ignore_crash_loop)
+                                 overwrite, resume_from, ignore_crash_loop or Faults.from_env().ignore_crash_loop,
+                                 session)
     try:
         run, task = _build(dist, explicit, mode, overwrite, rundir, choice)
     except BaseException:
