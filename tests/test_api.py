@@ -81,9 +81,11 @@ if __name__ == "__main__":  # spawned loader workers import this file too
     data = torch.utils.data.TensorDataset(torch.randn(512, 8, generator=g), torch.randint(0, 2, (512,), generator=g))
     # spawned workers start with Python's own SIGINT handling (forked ones inherit the parent's handlers);
     # a step of 16 micro-batches needs more batches after the Ctrl-C than the workers had prefetched
+    workers = int(sys.argv[2])  # the reference reads the same batches in this process
     run = resumable.Run(sys.argv[1], model=model, optimizer=optimizer, data=data, batch_size=8, epochs=2,
-                        accumulate=16, checkpoint_steps=1, num_workers=2, progress=False,
-                        loader_options={"multiprocessing_context": "spawn", "persistent_workers": True})
+                        accumulate=16, checkpoint_steps=1, num_workers=workers, progress=False,
+                        loader_options={"multiprocessing_context": "spawn", "persistent_workers": True}
+                        if workers else None)
     for epoch, step, (x, y) in run:
         loss = torch.nn.functional.cross_entropy(model(x), y) / 16
         loss.backward()
@@ -100,10 +102,11 @@ def test_ctrl_c_in_a_terminal_reaches_the_loader_workers_too_and_the_stop_stays_
     They leave it to the main process, which commits at the next step boundary and exits 75."""
     script = tmp_path / "train.py"
     script.write_text(_CTRL_C_SCRIPT)
-    reference = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ref")], env=env(),
+    reference = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ref"), "0"], env=env(),
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run")], env=env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # a terminal's job
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run"), "2"], env=env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # a terminal's job
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline and not _steps(tmp_path / "run"):
         time.sleep(0.005)
@@ -111,8 +114,8 @@ def test_ctrl_c_in_a_terminal_reaches_the_loader_workers_too_and_the_stop_stays_
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 75, stderr[-3000:]
     assert "stopped early (SIGINT): state committed" in stderr and "Traceback" not in stderr, stderr[-3000:]
-    resumed = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
-                             timeout=300, env=env())
+    resumed = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), "2"], capture_output=True,
+                             text=True, timeout=300, env=env())
     assert resumed.returncode == 0, resumed.stderr
     _, ref_err = reference.communicate(timeout=300)
     assert reference.returncode == 0, ref_err[-3000:]

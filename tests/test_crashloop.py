@@ -6,12 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from helpers import final_fingerprint
 
+from resumable import Run
 from resumable.cli import train_command
+from resumable.engine import active
 from resumable.engine.crashloop import crash_loop
-from resumable.errors import EXIT_CRASH_LOOP
+from resumable.errors import EXIT_CRASH_LOOP, CrashLoop
 from resumable.reporting.history import SessionRecord, read_sessions
 
 ARGS = ["--batch-size", "16", "--epochs", "3", "--checkpoint-steps", "4", "--log-every", "1", "--no-progress",
@@ -48,26 +51,45 @@ def test_a_crash_loop_needs_the_same_code_and_config() -> None:
     assert crash_loop([failed(2, code=None), failed(3), failed(4)], 8, "c1", "o1") is None  # a record of before
 
 
-def test_failures_before_any_checkpoint_never_make_a_crash_loop(tiny_mnist: Path, tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Debugging a script: every try fails before its first checkpoint, and the next one still starts."""
-    monkeypatch.setenv("RESUMABLE_FAULTS", json.dumps({"raise_at_step": 1}))
+def _tiny(run_dir: Path, fail_at: int | None, **options) -> Run:  # noqa: ANN003
+    """A tiny Run whose loop raises at step ``fail_at`` (None: it trains to the end)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    run = Run(run_dir, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=1, progress=False,
+              checkpoint_steps=4, **options)
+    for _epoch, step, (x, y) in run:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        if step == fail_at:
+            raise RuntimeError(f"planted failure at step {step}")
+    return run
+
+
+def _failing(run_dir: Path, fail_at: int, **options) -> None:  # noqa: ANN003
+    with pytest.raises(RuntimeError, match="planted failure") as caught:
+        _tiny(run_dir, fail_at, **options)
+    active.loop_ended(caught.value)  # what Python reports at the top of a script (here pytest.raises caught it)
+
+
+def test_failures_before_any_checkpoint_never_make_a_crash_loop(tmp_path: Path) -> None:
+    """Debugging: every try fails before its first checkpoint, and the next one still starts."""
     for _ in range(4):
-        failed = invoke(tmp_path, tiny_mnist)
-        assert isinstance(failed.exception, RuntimeError), failed.output
+        _failing(tmp_path, 1)
     assert [s.start_step for s in read_sessions(tmp_path)] == [0, 0, 0, 0]
-    monkeypatch.delenv("RESUMABLE_FAULTS")  # the typo is fixed
-    assert invoke(tmp_path, tiny_mnist, "--max-steps", "4").exit_code == 0
+    assert _tiny(tmp_path, None).finished  # the typo is fixed
 
 
-def test_a_changed_option_starts_a_new_count(tiny_mnist: Path, tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RESUMABLE_FAULTS", json.dumps({"raise_at_step": 9}))
-    for _ in range(4):  # session 1 commits up to step 8, sessions 2-4 fail from it
-        assert isinstance(invoke(tmp_path, tiny_mnist).exception, RuntimeError)
-    assert invoke(tmp_path, tiny_mnist).exit_code == EXIT_CRASH_LOOP
-    changed = invoke(tmp_path, tiny_mnist, "--log-every", "2")  # another config: not the same failure again
-    assert isinstance(changed.exception, RuntimeError) and "planted failure at step 9" in str(changed.exception)
+def test_a_changed_option_starts_a_new_count(tmp_path: Path) -> None:
+    for _ in range(4):  # session 1 commits step 4, sessions 2-4 fail from it with the same code and options
+        _failing(tmp_path, 5)
+    with pytest.raises(CrashLoop, match="ran this same code and config"):
+        _tiny(tmp_path, 5)
+    _failing(tmp_path, 5, log_every=2)  # another option: a new attempt, not the same failure again
+    digests = {(s.code, s.config) for s in read_sessions(tmp_path)}
+    assert len(digests) == 2 and all(code and config for code, config in digests)
 
 
 def test_always_failing_step_stops_the_next_start(tiny_mnist: Path, tmp_path: Path,

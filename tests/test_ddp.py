@@ -117,6 +117,9 @@ def test_a_signal_on_one_rank_stops_all_at_one_step_and_resumes_identically(refe
     assert records(tmp_path) == records(reference)
 
 
+# The soak set only, to keep the default run short: test_ddp_fixes.py's SIGTERM to the launcher takes the same path
+# (torchrun passes the signal on to each worker's process group; every rank commits at one step; exit 75).
+@pytest.mark.soak
 def test_ctrl_c_in_a_terminal_stops_torchrun_and_its_workers_cleanly(reference: Path, mnist_dir: Path,
                                                                     tmp_path: Path) -> None:
     """Ctrl-C reaches the launcher (the terminal's process group); torchrun passes SIGINT on to each worker's own

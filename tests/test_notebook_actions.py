@@ -72,27 +72,38 @@ def params(run_dir: Path, workers: int = 0, hang: str = "5m", delay: float = 0.0
             f"FAIL_AT = BREAK_AT = HANG_AT = -1")
 
 
-@pytest.fixture(scope="session")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list]:
-    """The notebook run once from top to bottom, never interrupted: its final fingerprint and metrics."""
-    folder = tmp_path_factory.mktemp("notebook-reference")
-    kernel = Kernel(folder)
-    try:
-        cell = kernel.run(params(folder / "run") + SETUP + MODEL + RUN + LOOP)
-        assert cell.done and cell.error is None and "finished: True exit code: 0" in cell.stdout, cell
-    finally:
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Kernel]]:
+    """One kernel for the module's tests, as one notebook lives through many actions (a test that kills it gets
+    the next one a new kernel): a kernel start and its imports cost seconds."""
+    alive: list[Kernel] = [Kernel(tmp_path_factory.mktemp("kernel"))]
+    yield alive
+    for kernel in alive:
         kernel.shutdown()
-    return final_fingerprint(folder / "run"), records(folder / "run")
 
 
 @pytest.fixture
-def notebook(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Kernel]:
-    env = getattr(request, "param", {})
-    kernel = Kernel(tmp_path, **env)
-    try:
-        yield kernel
-    finally:
-        kernel.shutdown()
+def notebook(kernels: list[Kernel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kernel]:
+    if not kernels[-1].alive():
+        kernels.append(Kernel(tmp_path_factory.mktemp("kernel")))
+    kernel = kernels[-1]
+    yield kernel
+    if kernel.alive():  # what a test planted in the kernel goes with it
+        kernel.run("import os; os.environ.pop('RESUMABLE_FAULTS', None)")
+
+
+@pytest.fixture(scope="module")
+def reference(kernels: list[Kernel], tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list]:
+    """The notebook run once from top to bottom, never interrupted: its final fingerprint and metrics."""
+    run_dir = tmp_path_factory.mktemp("notebook-reference") / "run"
+    cell = kernels[-1].run(params(run_dir) + SETUP + MODEL + RUN + LOOP)
+    assert cell.done and cell.error is None and "finished: True exit code: 0" in cell.stdout, cell
+    return final_fingerprint(run_dir), records(run_dir)
+
+
+def plant_faults(kernel: Kernel, **faults: object) -> None:
+    """Faults for the Runs the kernel builds next (read when a Run is built; the fixture removes them after)."""
+    kernel.run(f"import os; os.environ['RESUMABLE_FAULTS'] = {json.dumps(faults)!r}")
 
 
 def assert_identical(run_dir: Path, reference: tuple[str, list]) -> None:
@@ -245,10 +256,10 @@ def test_four_failures_before_the_first_checkpoint_then_the_fix_trains_the_same_
     rerun(notebook, run_dir, reference)
 
 
-@pytest.mark.parametrize("notebook", [{"RESUMABLE_FAULTS": json.dumps({"save_hold_file": "hold"})}], indirect=True)
 def test_an_interrupt_during_a_stuck_save_gives_control_back_and_keeps_the_last_checkpoint(
         notebook: Kernel, tmp_path: Path, reference: tuple[str, list]) -> None:
-    run_dir, hold = tmp_path / "run", tmp_path / "hold"  # the kernel runs in tmp_path
+    run_dir, hold = tmp_path / "run", tmp_path / "hold"
+    plant_faults(notebook, save_hold_file=str(hold))
     notebook.run(params(run_dir, delay=0.05) + SETUP + MODEL)
     pending = notebook.start(RUN + LOOP)
     wait_for(lambda: 8 in committed(run_dir))
@@ -266,12 +277,13 @@ def test_an_interrupt_during_a_stuck_save_gives_control_back_and_keeps_the_last_
     assert committed(run_dir) == [4, 8]  # the stuck save never commits
     assert_nothing_left(notebook, run_dir)
     hold.unlink()
+    plant_faults(notebook)
     rerun(notebook, run_dir, reference)
 
 
-@pytest.mark.parametrize("notebook", [{"RESUMABLE_FAULTS": json.dumps({"save_hold_file": "hold"})}], indirect=True)
 def test_a_stuck_save_is_a_hang_that_ends_the_cell_not_the_kernel(notebook: Kernel, tmp_path: Path) -> None:
     run_dir, hold = tmp_path / "run", tmp_path / "hold"
+    plant_faults(notebook, save_hold_file=str(hold))
     notebook.run(params(run_dir, hang="2s", delay=0.02) + SETUP + MODEL)
     pending = notebook.start(RUN + LOOP)
     wait_for(lambda: 8 in committed(run_dir))
@@ -282,6 +294,7 @@ def test_a_stuck_save_is_a_hang_that_ends_the_cell_not_the_kernel(notebook: Kern
     assert notebook.alive() and committed(run_dir) == [4, 8]
     assert read_sessions(run_dir)[-1].ended == "hang"
     assert_nothing_left(notebook, run_dir)
+    hold.unlink()
 
 
 def test_a_hang_in_the_loop_ends_the_cell_with_an_exception_and_the_rerun_is_identical(
