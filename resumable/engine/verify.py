@@ -189,10 +189,11 @@ class TrainingWatch:
             self.close()
             raise ResumeNotApplied(
                 f"the Run's optimizer ({type(self._gradless).__name__}) stepped, but none of its parameters had a "
-                f"gradient: the model that computed the loss is not the model the Run was built with (was the model "
-                f"re-created after the Run, e.g. its notebook cell run again?). The Run would checkpoint the old, "
-                f"untrained model. Run the cell that builds the Run again (after the model's), then the loop; nothing "
-                f"of this session was committed")
+                f"gradient (no backward reached them): the model that computed the loss is probably not the model the "
+                f"Run was built with (was the model re-created after the Run, e.g. its notebook cell run again?), and "
+                f"the Run would checkpoint the old, untrained one. Run the cell that builds the Run again (after the "
+                f"model's), then the loop; nothing of this session was committed. (Step the optimizer after a "
+                f"backward that reaches its parameters.)")
         strangers = [o for o in stepped if all(o is not k for k in self.known)]
         if not strangers:
             return
