@@ -6,8 +6,8 @@ as :class:`SaveFailed`; a failed save never writes a manifest, so it never count
 
 Waits are slices of 0.1 s, so a signal handler can raise in the waiting thread (a second Ctrl-C) and the caller can
 watch the wait (``on_wait``). A save the caller gives up on (stuck on a dead mount) is :meth:`abandon`-ed: it must
-not commit after the session ended (its job asks :attr:`abandoned` before its manifest); its thread, if stuck in a
-system call, cannot be stopped and ends with the process.
+not commit after the session ended (its job checks the ``abandoned`` event it was submitted with before its
+manifest); its thread, if stuck in a system call, cannot be stopped and ends with the process.
 """
 
 from __future__ import annotations

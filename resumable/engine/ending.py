@@ -113,22 +113,22 @@ def summarise(checkpointer: Checkpointer, state: TrainState, outcome: Outcome | 
     if outcome.reason == "save error":
         latest, _ = checkpointer.manager.latest_valid()
         log.summary(f"stopped early (a checkpoint could not be written): the newest valid checkpoint is step "
-                 f"{latest.step if latest else 'none'}. Fix the cause (disk space, I/O errors), then run the "
-                 f"same command again to continue from it (exit code {EXIT_RESUME})")
+                    f"{latest.step if latest else 'none'}. Fix the cause (disk space, I/O errors), then run the "
+                    f"same command again to continue from it (exit code {EXIT_RESUME})")
     elif outcome.reason == "save stuck":  # its disk may be dead: nothing is read from it again
         log.summary(f"stopped early: a checkpoint save was stuck (a dead mount or disk?) and was given up; the newest "
                     f"checkpoint committed before it stays valid. Run the same command again once the disk answers "
                     f"(exit code {EXIT_RESUME})")
     elif outcome.reason == "checkpoint missing":
         latest, _ = checkpointer.manager.latest_valid()
-        log.summary(f"stopped: the newest valid checkpoint is {f'step {latest.step}' if latest else 'none'}; run the "
-                 f"same command again to continue from it (exit code {EXIT_RESUME})")
+        log.summary(f"stopped: the newest valid checkpoint is {f'step {latest.step}' if latest else 'none'}; run "
+                    f"the same command again to continue from it (exit code {EXIT_RESUME})")
     elif outcome.reason == "lock lost":
         log.error(f"stopped: {lost or 'the run dir lock was lost'}; nothing more was written. The other process "
                   f"now owns {run_dir} (exit code {EXIT_RESUME})")
     else:
         log.summary(f"stopped early ({outcome.reason}): state committed at step {state.step}. "
-                 f"Run the same command again to continue (exit code {EXIT_RESUME})")
+                    f"Run the same command again to continue (exit code {EXIT_RESUME})")
 
 
 def finish_save(writer: CheckpointWriter, bound: float, stop: StopFlag | None) -> bool:
