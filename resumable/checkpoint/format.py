@@ -118,6 +118,63 @@ def write_payload(directory: Path, obj: Any, name: str = PAYLOAD) -> dict[str, A
     return {"size": writer.size, "sha256": writer.sha256.hexdigest()}
 
 
+def loadable_bytes(obj: Any) -> bytes:
+    """``obj`` as torch.save writes it, once it has been read back with ``weights_only=True``: every commit must load
+    (a value that needs arbitrary unpickling, such as a numpy scalar, raises StateNotLoadable naming its path)."""
+    from ..errors import StateNotLoadable
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure here means the checkpoint could never be resumed
+        where = _unsafe_leaf(obj)
+        detail = " ".join(str(e).split())[:300]
+        raise StateNotLoadable(
+            f"the state of {where[0] if where else 'an object'} cannot be loaded back safely (weights_only)"
+            + (f": {where[1]} is a {where[2]}" if where else "") + f" ({detail}). Return only tensors, numbers, "
+            f"strings, None and lists/dicts of them from its state_dict() (e.g. convert numpy values with .item() "
+            f"or torch.from_numpy); nothing was committed") from e
+    return data
+
+
+_PLAIN = (str, int, float, bool, type(None), torch.Tensor, torch.dtype, torch.device, torch.Size, bytes)
+
+
+def _unsafe_leaf(obj: Any, path: tuple[Any, ...] = ()) -> tuple[str, str, str] | None:
+    """(object name, path, type) of the first leaf a weights_only load does not take, as a guess for the message."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            found = _unsafe_leaf(value, (*path, key))
+            if found is not None:
+                return found
+        return None
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        for index, value in enumerate(obj):
+            found = _unsafe_leaf(value, (*path, index))
+            if found is not None:
+                return found
+        return None
+    if isinstance(obj, _PLAIN) and type(obj).__module__ in ("builtins", "torch"):
+        return None
+    names = [p for p in path if p not in ("tree",)]
+    owner = repr(names[0]) if names else "the checkpoint"
+    return owner, "/" + "/".join(map(str, names)), f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def write_bytes_atomic(directory: Path, data: bytes, name: str) -> dict[str, Any]:
+    """``data`` to ``directory/name`` atomically (temp file, fsync, rename); returns ``{"size", "sha256"}``."""
+    final = directory / name
+    tmp = tmp_path(final)
+    with create_new(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, final)
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     """Write JSON so that ``path`` holds either the old or the complete new content, never a mix."""
     tmp = tmp_path(path)

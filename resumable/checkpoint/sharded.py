@@ -92,9 +92,10 @@ class Pending:
     def finish(self) -> Written:
         """Write the staged shards and ``meta.pt``; returns the files for the manifest."""
         try:
+            meta = fmt.loadable_bytes(self.meta)  # first: a state that could never load is not written at all
             for shard in self.queued:
                 self.format.emit(self, shard)
-            self.result.files[META] = fmt.write_payload(self.directory, self.meta, META)
+            self.result.files[META] = fmt.write_bytes_atomic(self.directory, meta, META)
             self.result.written += self.result.files[META]["size"]
         finally:
             if self.staging is not None:

@@ -24,7 +24,7 @@ from ..checkpoint.writer import CheckpointWriter
 from ..errors import NothingToResume, ResumableError
 from ..faults import NO_FAULTS, Faults
 from . import determinism, hardware
-from .checks import check_computation, check_loadable
+from .checks import check_computation
 from .distributed import Distributed
 from .frozen import FrozenTensors
 from .state import Stateful, TrainState, capture_rng, restore_rng
@@ -75,7 +75,6 @@ class Checkpointer:
         self._frozen_record: dict[str, Any] = {}
         self._told_direct = False
         self._last_size = 0
-        self._checked = False
         self.last_saved_step: int | None = None
         self.resumed_from: CheckpointInfo | None = None
         self.restore_cost: PeakMemory | None = None  # time and host memory the restore took
@@ -115,10 +114,6 @@ class Checkpointer:
         self._check_free_space()
         payload = self.payload()
         payload[_RANKS] = self.dist.gather({"rng": payload[_RNG], "counters": self.state.rank_dict()})
-        if not self._checked:  # the first save: an unloadable state would make every resume fail
-            for name, value in payload.items():
-                check_loadable(name, value)
-            self._checked = True
         step = self.state.step
         meta = {
             **self.meta,
@@ -266,19 +261,20 @@ class Checkpointer:
     def _restore(self, info: CheckpointInfo) -> None:
         frozen = info.manifest.get("frozen") or {}
         self.frozen.check(frozen, info.step)  # the script's base weights, before anything is read or changed
-        self.frozen.check_trainable(info.manifest.get("trainable"), info.step)
+        trainable = self.frozen.saved_trainable(info.manifest.get("trainable"))  # InvalidCheckpoint if malformed
         payload = self.manager.load(info)
         expected = set(self.objects) | {_TRAIN_STATE, _RNG}
         missing = sorted(expected - set(payload))
         if missing:
             raise InvalidCheckpoint(f"payload lacks {missing}")
-        self._check_fits(payload, set(frozen))  # before it is walked (fingerprint) or loaded into anything
+        self._check_fits(payload, set(frozen), trainable)  # before it is walked (fingerprint) or loaded into anything
         version = info.manifest.get("fingerprint_version", 1)
         found = (digests.of_payload(payload) if version == digests.VERSION
                  else fingerprint(payload["model"], payload["optimizer"]))
         if found != info.fingerprint:
             raise InvalidCheckpoint("payload does not match the manifest's training-state fingerprint")
         rng, counters = self._my_rank_state(payload)
+        self.frozen.restore_trainable(trainable, info.step)  # trainable flags are state (gradual unfreezing)
         built = self.frozen.built(payload["model"] if isinstance(payload["model"], dict) else ())
         fresh = {name for name in self.fresh if payload.get(name) is None}
         for name, obj in self.objects.items():
@@ -303,7 +299,8 @@ class Checkpointer:
         self.resumed_from = info
         self._last_size = info.size  # the free-space check has an estimate from the first save on
 
-    def _check_fits(self, payload: dict[str, Any], frozen: set[str] | frozenset[str] = frozenset()) -> None:
+    def _check_fits(self, payload: dict[str, Any], frozen: set[str] | frozenset[str] = frozenset(),
+                    trainable: list[str] | None = None) -> None:
         """The saved model and optimizer state must have the live objects' structure: the model's keys (less the
         ``frozen`` ones, not stored), shapes and dtypes, the optimizer's parameter groups and their sizes.
         Otherwise this checkpoint is invalid (raised before anything is modified; an older one may fit)."""
@@ -332,8 +329,11 @@ class Checkpointer:
             sizes = [len(g["params"]) for g in groups]
             if not isinstance(saved_groups, list) or [len(g.get("params", ())) if isinstance(g, dict) else -1
                                                       for g in saved_groups] != sizes:
+                flags = self.frozen.trainable_difference(trainable)
                 raise InvalidCheckpoint(f"its optimizer state does not fit this optimizer (parameter groups of "
-                                        f"sizes {sizes} here)")
+                                        f"sizes {sizes} here)" + (f"; requires_grad differs from the checkpoint "
+                                        f"({flags}): build the optimizer over the parameters the run trained (the "
+                                        f"same LoRA config and target_modules)" if flags else ""))
 
     def _restore_modes(self, modes: Any) -> None:
         if not isinstance(self.modules, torch.nn.Module) or not isinstance(modes, list):

@@ -4,7 +4,7 @@ A session that starts fresh trains the objects it was given. If it fails before 
 objects are changed: weights trained a few steps, optimizer and scheduler state, RNG streams advanced. A notebook user
 who fixes the loop and runs the Run and loop cells again would start "fresh" from the changed objects, unlike a clean
 run. So the first fresh start on a run dir keeps what it was given -- a CPU copy of every object's state, the RNG
-streams, the module modes -- until a checkpoint of that run dir commits; a later fresh start on the same run dir with
+streams, the module modes, which parameters require grad -- until a checkpoint of that run dir commits; a later fresh start on the same run dir with
 the *same* objects puts it back first. New objects (the model cell run again) are a fresh start of their own.
 
 The copy is taken in an interactive kernel, where cells are re-run, and only when it fits in a quarter of the
@@ -37,6 +37,7 @@ class Kept:
     states: dict[str, Any] | None  # object name -> a CPU copy of its state; None: too large, not copied
     rng: dict[str, Any]
     modes: list[bool]
+    trainable: list[bool]  # each parameter's requires_grad (an earlier try may have unfrozen some)
     version: int  # the model's parameter and buffer versions, summed: changed in place since the start?
 
 
@@ -103,7 +104,8 @@ def _take(objects: Mapping[str, tuple[Any, Any]], model: torch.nn.Module, keep_c
             states = None
         else:
             states = _cpu_copy(states)
-    return Kept(owners, states, capture_rng(), [m.training for m in model.modules()], _version(model))
+    return Kept(owners, states, capture_rng(), [m.training for m in model.modules()],
+                [p.requires_grad for p in model.parameters()], _version(model))
 
 
 def _put_back(kept: Kept, objects: Mapping[str, tuple[Any, Any]], model: torch.nn.Module) -> str | None:
@@ -122,10 +124,13 @@ def _put_back(kept: Kept, objects: Mapping[str, tuple[Any, Any]], model: torch.n
         if owner is not None and owner() is given and name in kept.states and stateful is not None:
             stateful.load_state_dict(_cpu_copy(kept.states[name]))
             restored.append(name)
-    modules = list(model.modules())
+    modules, parameters = list(model.modules()), list(model.parameters())
     if len(modules) == len(kept.modes):
         for module, training in zip(modules, kept.modes, strict=True):
             module.training = training
+    if len(parameters) == len(kept.trainable):
+        for parameter, trainable in zip(parameters, kept.trainable, strict=True):
+            parameter.requires_grad_(trainable)
     restore_rng(kept.rng)
     kept.version = _version(model)
     if not changed:

@@ -9,8 +9,9 @@ batch norm updates its running statistics without counting the change, and buffe
 
 The script builds the frozen tensors itself on every start (it loads the base weights), so a resume checks them
 against the checkpoint's fingerprints (sha256 of their bytes) before anything is loaded: a different base is a
-one-line error naming the tensor. Which parameters require grad is part of the run too: changing it between
-sessions is a mismatch (a LoRA re-wrapped differently would otherwise resume into the wrong tensors).
+one-line error naming the tensor. Which parameters require grad is state, restored at a resume like the modules'
+train/eval modes (a backbone unfrozen at epoch 1 trains again after a resume in epoch 2); a LoRA re-wrapped
+differently has other state_dict keys, which the resume refuses anyway.
 
 One change torch does not count: writing through ``tensor.data`` (``p.data.mul_(0.9)``). A script that updates
 a frozen tensor that way must use ``torch.no_grad()`` and in-place ops on the tensor itself, or pass
@@ -171,18 +172,42 @@ class FrozenTensors:
                                      f"other base weights. Load the same ones (or start over with --fresh "
                                      f"--overwrite); nothing was changed")
 
-    def check_trainable(self, saved: list[str] | None, step: int) -> None:
-        """Which parameters require grad must be what it was when the checkpoint was written."""
+    def saved_trainable(self, saved: Any) -> list[str] | None:
+        """The checkpoint's trainable parameter names, validated (a malformed record is a corrupt checkpoint)."""
         if saved is None or self.model is None:
-            return
+            return None
+        if not isinstance(saved, list) or not all(isinstance(name, str) for name in saved):
+            from ..checkpoint import InvalidCheckpoint
+
+            raise InvalidCheckpoint("its manifest's 'trainable' is not a list of parameter names")
+        return saved
+
+    def trainable_difference(self, saved: list[str] | None) -> str | None:
+        """How the parameters that require grad now differ from ``saved`` (None: the same, or unknown)."""
+        if saved is None or self.model is None:
+            return None
         now = self.trainable()
-        if saved == now:
-            return
-        gained = sorted(set(now) - set(saved))
-        lost = sorted(set(saved) - set(now))
+        gained, lost = sorted(set(now) - set(saved)), sorted(set(saved) - set(now))
         parts = ([f"now trainable: {', '.join(gained[:3])}{' ...' if len(gained) > 3 else ''}"] if gained else []) + \
                 ([f"now frozen: {', '.join(lost[:3])}{' ...' if len(lost) > 3 else ''}"] if lost else [])
-        raise FrozenMismatch(f"requires_grad differs from the checkpoint of step {step} "
-                             f"({'; '.join(parts) or 'the same names in another order'}): "
-                             f"freeze the same parameters as the run did (e.g. the same LoRA config and "
-                             f"target_modules), or start over with --fresh --overwrite; nothing was changed")
+        return "; ".join(parts) or None
+
+    def restore_trainable(self, saved: list[str] | None, step: int) -> None:
+        """Set every parameter's ``requires_grad`` as it was when the checkpoint was written: which parameters train
+        is state, like a module's train/eval mode (a backbone unfrozen at epoch 1 is trainable again after a
+        resume in a later epoch). Only a tensor recorded as frozen must be unchanged (:meth:`check`)."""
+        if saved is None or self.model is None:
+            return
+        wanted = set(saved)
+        changed = [name for name, p in self.model.named_parameters(remove_duplicate=False)
+                   if p.requires_grad != (name in wanted)]
+        if not changed:
+            return
+        for name, parameter in self.model.named_parameters(remove_duplicate=False):
+            parameter.requires_grad_(name in wanted)
+        gained = [name for name in changed if name in wanted]
+        lost = [name for name in changed if name not in wanted]
+        parts = ([f"trainable: {', '.join(gained[:3])}{' ...' if len(gained) > 3 else ''}"] if gained else []) + \
+                ([f"frozen: {', '.join(lost[:3])}{' ...' if len(lost) > 3 else ''}"] if lost else [])
+        log.info(f"requires_grad set as at step {step} ({'; '.join(parts)}): which parameters train is part of the "
+                 f"checkpoint")

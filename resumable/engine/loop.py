@@ -15,7 +15,7 @@ import torch
 
 from .. import log
 from ..config import format_duration
-from ..errors import SaveFailed, SaveStuck
+from ..errors import SaveFailed, SaveStuck, StateNotLoadable
 from ..reporting.reporters import Reporter
 from .checkpointer import Checkpointer
 from .distributed import Distributed, Pending
@@ -101,6 +101,7 @@ class Loop:
         self.watchdog = watchdog  # ticked at each step, paused around evaluation, bounding blocking saves
         self._told_waiting = False
         self._stuck = False  # a save was given up as stuck: nothing more is read or written on that disk
+        self._fatal: StateNotLoadable | None = None  # a state no commit could ever load: the run ends with it
 
     def _paused(self) -> contextlib.AbstractContextManager:
         return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
@@ -267,6 +268,8 @@ class Loop:
         if self._agree(not committed):  # the newest state is not committed: never "done", on any rank
             outcome = Outcome(False, "save stuck" if self._stuck else "save error")
         self.outcome = outcome
+        if self._fatal is not None:  # the state itself is wrong: an error naming it, not "run again"
+            raise self._fatal
 
     def _check_saves(self) -> None:
         try:
@@ -299,6 +302,9 @@ class Loop:
         if isinstance(error, SaveStuck):
             self._save_error, self._stuck = str(error), True
             log.error(f"{error}; the newest committed checkpoint stays valid")
+            return
+        if isinstance(error.__cause__, StateNotLoadable):  # every later save would fail the same way: stop, and
+            self._save_error, self._fatal = str(error.__cause__), error.__cause__  # raise it (run())
             return
         latest, _ = self.session.manager.latest_valid()
         newest = f"step {latest.step}" if latest else "none yet"

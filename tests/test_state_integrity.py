@@ -1,0 +1,99 @@
+"""What a commit holds is what a resume needs, and what a resume keeps is its own: every commit loads back safely
+(checked as it is written), trainable flags are state, a restore leaves no tensor mapped from a checkpoint file,
+and a manifest must agree with the payload it describes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import final_fingerprint
+
+from resumable import Run
+from resumable.checkpoint import CheckpointManager, checkpoints_dir
+from resumable.errors import StateNotLoadable
+
+
+class Tracker:
+    """A user object whose state gains a numpy scalar after the first evaluation (``best = np.float64(loss)``)."""
+
+    def __init__(self) -> None:
+        self.best: float | np.float64 = 0.0
+
+    def state_dict(self) -> dict:
+        return {"best": self.best}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best = state["best"]
+
+
+def tiny(run_dir: Path, tracker: Tracker, numpy_from: int | None = None, **options) -> Run:  # noqa: ANN003
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    run = Run(run_dir, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=2, progress=False,
+              checkpoint_steps=2, objects={"tracker": tracker}, **options)
+    for _epoch, step, (x, y) in run:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if numpy_from is not None and step + 1 >= numpy_from:
+            tracker.best = np.float64(loss.item())
+    return run
+
+
+def committed(run_dir: Path) -> list[int]:
+    return [i.step for i in CheckpointManager(checkpoints_dir(run_dir)).inspect() if i.valid]
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_state_that_turns_unloadable_later_stops_the_run_and_commits_nothing_of_it(tmp_path: Path,
+                                                                                    sync: bool) -> None:
+    # Before: checked at the first save only; the run ended "done" (exit 0) with 8 commits that never load, and
+    # retention had deleted the loadable ones: the next start found nothing to resume.
+    with pytest.raises(StateNotLoadable, match=r"'tracker'.*/tracker/best is a numpy"):
+        tiny(tmp_path, Tracker(), numpy_from=5, sync_checkpoints=sync)
+    steps = committed(tmp_path)
+    assert steps and max(steps) < 6 and 4 in steps  # only the states before the numpy value: each one loads
+    manager = CheckpointManager(checkpoints_dir(tmp_path))
+    assert all(manager.load(info) is not None for info in manager.inspect() if info.valid)
+    again = tiny(tmp_path, Tracker())  # the fixed code resumes from the newest loadable checkpoint
+    assert again.finished and again.resumed_from == max(steps)
+
+
+class Unfreezing(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = torch.nn.Linear(4, 8)
+        self.head = torch.nn.Linear(8, 2)
+        self.backbone.requires_grad_(False)  # trained from epoch 1 on
+
+
+def unfreezing(run_dir: Path, max_steps: int | None = None) -> Run:
+    torch.manual_seed(0)
+    model = Unfreezing()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)  # every parameter; the frozen ones get no gradient
+    g = torch.Generator().manual_seed(3)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.randint(0, 2, (64,), generator=g))
+    run = Run(run_dir, model=model, optimizer=optimizer, data=data, batch_size=16, epochs=3, progress=False,
+              checkpoint_steps=2, max_steps=max_steps)
+    for epoch, _step, (x, y) in run:
+        if epoch >= 1:
+            model.backbone.requires_grad_(True)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model.head(torch.relu(model.backbone(x))), y).backward()
+        optimizer.step()
+    return run
+
+
+def test_gradual_unfreezing_resumes_with_the_flags_of_the_checkpoint(tmp_path: Path) -> None:
+    # Before: every resume after the unfreezing was refused (FrozenMismatch: requires_grad differs).
+    assert unfreezing(tmp_path / "ref").finished
+    assert unfreezing(tmp_path / "run", max_steps=6).exit_code == 0  # stopped in epoch 1 (4 steps an epoch)
+    resumed = unfreezing(tmp_path / "run")
+    assert resumed.finished and resumed.resumed_from == 6
+    assert final_fingerprint(tmp_path / "run") == final_fingerprint(tmp_path / "ref")
