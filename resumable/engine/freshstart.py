@@ -4,8 +4,9 @@ A session that starts fresh trains the objects it was given. If it fails before 
 objects are changed: weights trained a few steps, optimizer and scheduler state, RNG streams advanced. A notebook user
 who fixes the loop and runs the Run and loop cells again would start "fresh" from the changed objects, unlike a clean
 run. So the first fresh start on a run dir keeps what it was given -- a CPU copy of every object's state, the RNG
-streams, the module modes, which parameters require grad -- until a checkpoint of that run dir commits; a later fresh start on the same run dir with
-the *same* objects puts it back first. New objects (the model cell run again) are a fresh start of their own.
+streams, the module modes, which parameters require grad -- until a checkpoint of that run dir commits; a later fresh
+start on the same run dir with the *same* objects puts it back first. New objects (the model cell run again) are a
+fresh start of their own.
 
 The copy is taken in an interactive kernel, where cells are re-run, and only when it fits in a quarter of the
 available host memory. Otherwise only the RNG streams, the modes and the parameters' version counters are kept: a
