@@ -97,3 +97,33 @@ def test_gradual_unfreezing_resumes_with_the_flags_of_the_checkpoint(tmp_path: P
     resumed = unfreezing(tmp_path / "run")
     assert resumed.finished and resumed.resumed_from == 6
     assert final_fingerprint(tmp_path / "run") == final_fingerprint(tmp_path / "ref")
+
+
+def mapped_from(folder: Path) -> list[str]:
+    """The files under ``folder`` this process still maps (a deleted one shows as '(deleted)')."""
+    lines = Path("/proc/self/maps").read_text().splitlines()
+    return sorted({line.split(maxsplit=5)[5] for line in lines if len(line.split(maxsplit=5)) == 6
+                   and line.split(maxsplit=5)[5].startswith(str(folder))})
+
+
+def test_a_resume_keeps_no_view_of_a_checkpoint_file(tmp_path: Path) -> None:
+    # Before: the optimizer's moments stayed views of the resumed-from shard, so once retention deleted that
+    # checkpoint its space was held for the whole session ('(deleted)' mappings in /proc/self/maps).
+    def adam_run(max_steps: int) -> tuple[Run, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 64), torch.randint(0, 64, (64,)))
+        run = Run(tmp_path, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=4, progress=False,
+                  checkpoint_steps=2, keep=1, keep_best=False, max_steps=max_steps)
+        for _epoch, _step, (x, y) in run:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        return run, optimizer
+
+    adam_run(4)
+    run, optimizer = adam_run(10)  # resumes from step 4, whose checkpoint retention deletes at step 6
+    assert run.resumed_from == 4 and committed(tmp_path) == [10]
+    assert optimizer.state  # the session's optimizer state is alive
+    assert mapped_from(tmp_path) == []

@@ -20,6 +20,7 @@ from ..checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, d
 from ..checkpoint import format as fmt
 from ..checkpoint.memory import PeakMemory
 from ..checkpoint.staging import Staging, default_budget
+from ..checkpoint.tree import map_leaves
 from ..checkpoint.writer import CheckpointWriter
 from ..errors import NothingToResume, ResumableError
 from ..faults import NO_FAULTS, Faults
@@ -33,6 +34,13 @@ from .verify import verify_restored
 # Payload keys that are not user objects.
 _TRAIN_STATE, _RNG, _RANKS, _MODES = "train_state", "rng", "ranks", "module_modes"
 _OLD_RNG_RANKS = "rng_ranks"  # checkpoints before per-rank counters: every rank's RNG only
+def owned(state: Any) -> Any:
+    """``state`` with every tensor copied into memory of its own. A loaded payload's tensors are views of the
+    checkpoint's files (mapped, so that restoring costs no second copy of the model); an object that keeps them
+    (an optimizer's moments) would keep the file's space allocated after retention deleted it."""
+    return map_leaves(state, lambda _path, leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf)
+
+
 class Checkpointer:
     """Saves and restores ``objects`` (name → Stateful), the TrainState, module modes and every RNG stream.
 
@@ -282,10 +290,10 @@ class Checkpointer:
                 continue
             if payload[name] is None:
                 raise InvalidCheckpoint(f"checkpoint has no {name} state but this run uses one")
-            if name == "model" and frozen and isinstance(obj, torch.nn.Module):
-                obj.load_state_dict(payload[name], strict=False)  # _check_fits: exactly the frozen keys are absent
-            else:
-                obj.load_state_dict(payload[name])
+            if name == "model" and isinstance(obj, torch.nn.Module):  # copied into the parameters and buffers
+                obj.load_state_dict(payload[name], strict=not frozen)  # _check_fits: only frozen keys are absent
+            else:  # an optimizer keeps the tensors it is given: its own copies, not views of a checkpoint file
+                obj.load_state_dict(owned(payload[name]))
         self.frozen.loaded(built)  # what the script built and the checkpoint agrees with may be left out again
         self.state.load_state_dict(payload[_TRAIN_STATE])
         if counters is not None:
