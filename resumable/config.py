@@ -120,6 +120,27 @@ class RunOptions:
         return None if self.time_limit is None else parse_duration(self.time_limit)
 
 
+def option_type_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be the option ``name`` of :class:`TrainConfig` (None: it can, or ``name`` is not one):
+    checked where a manifest's recorded options are read, before a later start inherits them."""
+    field = _OPTION_FIELDS.get(name)
+    if field is None:
+        return None
+    kinds = [kind.strip() for kind in str(field.type).split("|")]
+    for kind in kinds:
+        if kind == "None" and value is None:
+            return None
+        if kind == "bool" and isinstance(value, bool):
+            return None
+        if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
+            return None
+        if kind == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return None
+        if kind == "str" and isinstance(value, str):
+            return None
+    return f"must be {' or '.join(kinds)}"
+
+
 @dataclass(frozen=True)
 class TrainConfig(RunOptions):
     """Everything one ``resumable-train`` invocation needs.
@@ -309,3 +330,6 @@ def format_duration(seconds: float) -> str:
     minutes, secs = divmod(rest, 60)
     parts = [f"{v}{u}" for v, u in ((hours, "h"), (minutes, "m"), (secs, "s")) if v]
     return "".join(parts) or "0s"
+
+
+_OPTION_FIELDS = {field.name: field for field in dataclasses.fields(TrainConfig)}

@@ -11,7 +11,9 @@ from helpers import replace_bytes, shards
 
 from resumable.checkpoint import CheckpointManager, InvalidCheckpoint, UnsafeCheckpoint, digests, fingerprint
 from resumable.checkpoint import format as fmt
+from resumable.checkpoint.manifest import seal
 from resumable.checkpoint.sharded import META, shard_name
+from resumable.errors import StateNotLoadable
 
 
 def payload(value: float) -> dict:
@@ -152,8 +154,16 @@ def test_malicious_pickle_is_refused_and_never_runs(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     Evil.marker = marker
     manager = CheckpointManager(tmp_path / "ck")
-    info = manager.save(1, {"model": Evil()}, {"fingerprint": "0" * 64})
-    assert manager.latest_valid()[0].step == 1  # its hashes match: only weights_only protects us
+    with pytest.raises(StateNotLoadable, match="test_checkpoint.Evil"):  # resumable never writes one...
+        manager.save(1, {"model": Evil()}, {"fingerprint": "0" * 64})
+    info = save(manager, 1)  # ... so plant it: meta.pt replaced, the manifest re-signed for it
+    (info.path / META).unlink()
+    files = {**info.manifest["files"], META: fmt.write_payload(info.path, {"kind": "x", "tree": {"model": Evil()}},
+                                                               META)}
+    body = {k: v for k, v in info.manifest.items() if k != "manifest_sha256"}
+    fmt.write_json_atomic(info.path / fmt.MANIFEST, seal({**body, "files": files}))
+    info = manager.latest_valid()[0]
+    assert info.step == 1  # its hashes match: only weights_only protects us
     with pytest.raises(UnsafeCheckpoint, match="refused"):
         manager.load(info)
     assert not marker.exists()

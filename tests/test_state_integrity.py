@@ -4,15 +4,21 @@ and a manifest must agree with the payload it describes."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 from helpers import final_fingerprint
 
 from resumable import Run
-from resumable.checkpoint import CheckpointManager, checkpoints_dir
+from resumable.checkpoint import CheckpointManager, checkpoints_dir, manifest
+from resumable.checkpoint import format as fmt
+from resumable.checkpoint.manifest import seal
+from resumable.cli import main, train_command
 from resumable.errors import StateNotLoadable
 
 
@@ -29,12 +35,13 @@ class Tracker:
         self.best = state["best"]
 
 
-def tiny(run_dir: Path, tracker: Tracker, numpy_from: int | None = None, **options) -> Run:  # noqa: ANN003
+def tiny(run_dir: Path, tracker: Tracker, numpy_from: int | None = None, epochs: int = 2,
+         **options) -> Run:  # noqa: ANN003
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
-    run = Run(run_dir, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=2, progress=False,
+    run = Run(run_dir, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=epochs, progress=False,
               checkpoint_steps=2, objects={"tracker": tracker}, **options)
     for _epoch, step, (x, y) in run:
         optimizer.zero_grad()
@@ -127,3 +134,45 @@ def test_a_resume_keeps_no_view_of_a_checkpoint_file(tmp_path: Path) -> None:
     assert run.resumed_from == 4 and committed(tmp_path) == [10]
     assert optimizer.state  # the session's optimizer state is alive
     assert mapped_from(tmp_path) == []
+
+
+def resealed(step_dir: Path, **changes) -> None:  # noqa: ANN003
+    """Edit a committed manifest and give it a correct self-checksum again (a hostile or well-meant edit)."""
+    body = {k: v for k, v in json.loads((step_dir / fmt.MANIFEST).read_text()).items() if k != "manifest_sha256"}
+    fmt.write_json_atomic(step_dir / fmt.MANIFEST, seal({**body, **changes}))
+
+
+def test_a_manifest_that_does_not_describe_its_payload_is_not_resumed(tmp_path: Path) -> None:
+    # Before: a step folder copied under a newer step's name resumed as that step ("step 12 (epoch 0, batch 6)"),
+    # trained on, and lost the same steps in every later session.
+    run = tiny(tmp_path, Tracker())
+    assert run.finished
+    root = checkpoints_dir(tmp_path)
+    shutil.copytree(root / "step-000000012", root / "step-000000020")  # 16 steps in all: a "newer" one
+    resealed(root / "step-000000020", step=20)
+    resumed = tiny(tmp_path, Tracker(), epochs=3)  # one more epoch: it resumes from the newest real checkpoint
+    assert resumed.finished and resumed.resumed_from == 16 and resumed.state.step == 24
+
+
+def test_a_manifest_naming_a_key_twice_is_corrupt(tmp_path: Path) -> None:
+    tiny(tmp_path, Tracker())
+    step_dir = checkpoints_dir(tmp_path) / "step-000000016"
+    text = (step_dir / fmt.MANIFEST).read_text()
+    doubled = text.replace('"files": {', '"files": {"meta.pt": {"size": 1, "sha256": "' + "0" * 64 + '"}, ', 1)
+    (step_dir / fmt.MANIFEST).write_text(doubled)
+    with pytest.raises(fmt.InvalidCheckpoint, match="names \"meta.pt\" twice"):
+        manifest.parse(doubled.encode())
+
+
+def test_a_recorded_option_of_the_wrong_type_falls_back_instead_of_a_traceback(tiny_mnist: Path,
+                                                                             tmp_path: Path) -> None:
+    args = ["--run-dir", str(tmp_path), "--data-dir", str(tiny_mnist), "--batch-size", "16", "--epochs", "2",
+            "--checkpoint-steps", "4", "--max-steps", "12", "--no-progress", "--no-download"]
+    assert CliRunner().invoke(train_command, args).exit_code == 0
+    newest = checkpoints_dir(tmp_path) / "step-000000012"
+    resealed(newest, config={**json.loads((newest / fmt.MANIFEST).read_text())["config"], "epochs": "10"})
+    verified = CliRunner().invoke(main, ["verify", str(tmp_path)])
+    assert 'option "epochs" is "10": must be int' in verified.output, verified.output
+    resumed = CliRunner().invoke(train_command, [*args[:-4], "--max-steps", "16", "--no-progress", "--no-download"])
+    assert resumed.exit_code == 0, resumed.output
+    assert "skipping checkpoint step 12" in resumed.output and "resuming from step 8" in resumed.output

@@ -35,6 +35,8 @@ FORMAT_NAME = "resumable-checkpoint"
 FORMAT_VERSION = 3  # 3: sharded safetensors payload; 2: the manifest carries manifest_sha256; 1 and 2 are read
 MANIFEST = "manifest.json"
 PAYLOAD = "state.pt"
+TRAIN_STATE = "train_state"  # the payload entry of the loop's position (step, epoch, batch), which the manifest repeats
+POSITION = ("step", "epoch", "batch_in_epoch")
 TMP_MARK = ".tmp-"
 _CHUNK = 1 << 20
 

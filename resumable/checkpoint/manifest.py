@@ -125,7 +125,10 @@ def _read_bytes(path: Path) -> bytes:
 def parse(data: bytes, step: int | None = None) -> Manifest:
     """Validate a manifest's bytes (``step``: the step its folder is named for, when known)."""
     try:
-        body = json.loads(data.decode("utf-8"))
+        body = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as e:
+        raise fmt.InvalidCheckpoint(f"manifest.json names {_show(e.key)} twice in one object (JSON keeps the last: "
+                                    f"not a manifest resumable wrote)") from None
     except UnicodeDecodeError as e:
         raise fmt.InvalidCheckpoint(f"manifest.json is unreadable (not UTF-8: {e.reason} at byte {e.start})") from e
     except RecursionError:
@@ -164,6 +167,22 @@ def parse(data: bytes, step: int | None = None) -> Manifest:
         created_unix=float(body["created_unix"]), epoch=body.get("epoch"),
         batch_in_epoch=body.get("batch_in_epoch"), num_threads=body.get("num_threads"),
         fingerprint=body.get("fingerprint"), world_size=body.get("world_size", 1), run_id=body.get("run_id"))
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused when it names a key twice (a file listed twice would be checked once)."""
+    body: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in body:
+            raise _DuplicateKey(key)
+        body[key] = value
+    return body
 
 
 def _check_seal(body: dict[str, Any], version: int) -> None:
@@ -296,6 +315,20 @@ def _amp_dtype(value: Any) -> str | None:
     return None if value in ("none", "bf16", "fp16") else "must be none, bf16 or fp16"
 
 
+def _config(value: Any) -> str | None:
+    """The options a later start inherits (``resumable-train``'s): each known one of the type it must have, so that a
+    wrong one is a corrupt checkpoint to fall back from, not a traceback when the next session is built."""
+    if not isinstance(value, dict):
+        return "must be an object"
+    from ..config import option_type_problem  # a leaf module: the options' own types
+
+    for name, option in value.items():
+        problem = option_type_problem(name, option)
+        if problem is not None:
+            return f"option {_show(name)} is {_show(option)}: {problem}"
+    return None
+
+
 def _names(value: Any) -> str | None:
     ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
     return None if ok else "must be a list of parameter names"
@@ -314,7 +347,7 @@ _FIELDS: dict[str, tuple[Check, bool]] = {
     "frozen": (_frozen, False),
     "trainable": (_names, False),
     "metrics": (_metrics, False),
-    "config": (_mapping, False),
+    "config": (_config, False),
     "computation": (_mapping, False),
     "determinism": (_mapping, False),
     "world_size": (_integer(1, 1 << 20), False),
@@ -330,4 +363,5 @@ _FIELDS: dict[str, tuple[Check, bool]] = {
     "gpu_capability": (_capability, False),
     "cuda_version": (_text, False),
     "amp_dtype": (_amp_dtype, False),
+    "cpu_capability": (_text, False),
 }

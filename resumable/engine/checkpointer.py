@@ -32,13 +32,26 @@ from .state import Stateful, TrainState, capture_rng, restore_rng
 from .verify import verify_restored
 
 # Payload keys that are not user objects.
-_TRAIN_STATE, _RNG, _RANKS, _MODES = "train_state", "rng", "ranks", "module_modes"
+_TRAIN_STATE, _RNG, _RANKS, _MODES = fmt.TRAIN_STATE, "rng", "ranks", "module_modes"
 _OLD_RNG_RANKS = "rng_ranks"  # checkpoints before per-rank counters: every rank's RNG only
 def owned(state: Any) -> Any:
     """``state`` with every tensor copied into memory of its own. A loaded payload's tensors are views of the
     checkpoint's files (mapped, so that restoring costs no second copy of the model); an object that keeps them
     (an optimizer's moments) would keep the file's space allocated after retention deleted it."""
     return map_leaves(state, lambda _path, leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf)
+
+
+def _check_position(position: Any, manifest: dict[str, Any]) -> None:
+    """The manifest must describe its payload: the step and data position it claims are the payload's own (a step
+    folder copied under a newer step's name, its manifest re-sealed, is not that step: it would resume as the newer
+    step and lose the steps between in every later session)."""
+    if not isinstance(position, dict):
+        raise InvalidCheckpoint(f"its payload's loop position is a {type(position).__name__}, not a record")
+    differs = [key for key in fmt.POSITION if manifest.get(key) is not None and position.get(key) != manifest[key]]
+    if differs:
+        shown = lambda record: ", ".join(f"{key} {record.get(key)}" for key in differs)  # noqa: E731
+        raise InvalidCheckpoint(f"its manifest says {shown(manifest)}, but its payload holds {shown(position)}: the "
+                                f"manifest does not describe this payload (a folder copied or renamed?)")
 
 
 class Checkpointer:
@@ -281,6 +294,7 @@ class Checkpointer:
                  else fingerprint(payload["model"], payload["optimizer"]))
         if found != info.fingerprint:
             raise InvalidCheckpoint("payload does not match the manifest's training-state fingerprint")
+        _check_position(payload[_TRAIN_STATE], info.manifest)
         rng, counters = self._my_rank_state(payload)
         self.frozen.restore_trainable(trainable, info.step)  # trainable flags are state (gradual unfreezing)
         built = self.frozen.built(payload["model"] if isinstance(payload["model"], dict) else ())
