@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from resumable.engine.lock import LOCK_FILE, RunLock
+from resumable.engine.lock import LOCK_FILE, MACHINE, RunLock
 from resumable.errors import ResumableError, RunDirInUse
 from resumable.storage.base import RemoteFile
 from resumable.storage.lease import LEASE, DriveLease
@@ -331,3 +331,26 @@ def test_an_invalid_drive_lease_is_taken_over_cleanly(content: bytes) -> None:
     finally:
         lease.release()
     assert json.loads(store.files[LEASE])["released"] is True
+
+
+def _record_of(pid: int, machine: str) -> bytes:
+    """A fresh lease record of this hostname (a container or cloned VM image shares it) on ``machine``."""
+    return json.dumps({"pid": pid, "host": socket.gethostname(), "heartbeat": time.time(), "token": "theirs",
+                       "started": "", "machine": machine}).encode()
+
+
+def test_a_live_lease_of_another_machine_with_this_hostname_holds() -> None:
+    # Before: "same host" meant the same hostname, so its pid was judged here, found gone, and the live lease of a
+    # cloned VM or a container was taken over.
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that is not alive here
+    store = MemoryStore()
+    store.files[LEASE] = _record_of(gone.pid, machine="0123456789abcdef")
+    with pytest.raises(RunDirInUse, match="being trained by process"):
+        DriveLease(store, settle_s=0).acquire()
+    store.files[LEASE] = _record_of(gone.pid, machine=MACHINE)  # on this machine, its pid is judged: gone
+    lease = DriveLease(store, settle_s=0)
+    try:
+        assert f"process {gone.pid} on this host is gone" in lease.acquire()
+    finally:
+        lease.release()

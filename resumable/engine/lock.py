@@ -3,11 +3,13 @@
 Two notebooks training into one run dir would interleave checkpoints and metrics. On this host the truth is
 ``flock(LOCK_EX | LOCK_NB)`` on ``RUN_DIR/.lock``: exactly one of any number of racing starts gets it, and the
 kernel drops it when its process ends however it ends, so a dead owner never blocks and no pid is judged.
-``RUN_DIR/lock.json`` beside it records pid, host, start time and a heartbeat (a background thread). It is a
+``RUN_DIR/lock.json`` beside it records pid, host, machine, start time and a heartbeat (a background thread). It is a
 separate file because it is replaced atomically (temp file + ``os.replace``: never seen half-written), which
 gives it a new inode each time, while a flock belongs to one inode. The record serves the messages and the one
 case the kernel lock cannot see: a shared file system that does not carry flock between hosts, where another
-host's record holds until its heartbeat is older than ``stale_after_s``.
+host's record holds until its heartbeat is older than ``stale_after_s``. "Another host" is judged by
+:func:`machine_id` (machine id, boot id, pid namespace), not by the hostname alone: containers and cloned VM images
+share hostnames, and a pid is only meaningful where it was handed out.
 
 Every record is parsed into a :class:`LockRecord` (types and ranges checked); a missing-field, wrong-typed,
 half-written, non-UTF-8 or non-regular one is :class:`Unreadable`, and the kernel lock alone decides. The Drive
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -53,6 +56,7 @@ class LockRecord:
     started: str = ""
     pid_start: str | None = None  # /proc start time of pid, so a recycled pid is not taken for the owner
     released: bool = False
+    machine: str = ""  # machine_id() of the owner: its pid can be judged only where this matches (older: absent)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,9 +103,10 @@ def parse_record(data: object) -> Owner:
         if type(released) is not bool:
             raise ValueError(f"released {_show(released)} is not true or false")
         token, started, pid_start = _text(data, "token", ""), _text(data, "started", ""), _text(data, "pid_start", None)
+        machine = _text(data, "machine", "")
     except ValueError as e:
         return Unreadable(str(e))
-    return LockRecord(pid, host, float(heartbeat), token or "", started or "", pid_start, released)
+    return LockRecord(pid, host, float(heartbeat), token or "", started or "", pid_start, released, machine or "")
 
 
 def parse_record_bytes(raw: bytes) -> Owner:
@@ -156,13 +161,46 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def stale_reason(owner: Owner, host: str, stale_after_s: float, now: float | None = None) -> str | None:
+def _first_line(path: str) -> str:
+    try:
+        with open(path, encoding="ascii", errors="replace") as handle:
+            return handle.readline().strip()
+    except OSError:
+        return ""
+
+
+def machine_id() -> str:
+    """This machine as a lock or lease record names it. A hostname is not enough: containers and VMs cloned from one
+    image share it, and a pid is only meaningful where it was handed out. So: the machine id (cloned images may share
+    it too), the boot id (one per kernel boot) and the pid namespace (two containers on one kernel have their own)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    parts = [_first_line("/etc/machine-id") or _first_line("/var/lib/dbus/machine-id"),
+             _first_line("/proc/sys/kernel/random/boot_id"), namespace]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16] if any(parts) else ""
+
+
+MACHINE = machine_id()
+
+
+def same_machine(owner: LockRecord, host: str, machine: str = MACHINE) -> bool:
+    """Whether ``owner`` runs where this process does, so that its pid can be checked here. A record of an older
+    resumable (no machine id) is judged by its hostname, as it was written to be."""
+    if owner.host != host:
+        return False
+    return not owner.machine or not machine or owner.machine == machine
+
+
+def stale_reason(owner: Owner, host: str, stale_after_s: float, now: float | None = None,
+                 machine: str = MACHINE) -> str | None:
     """Why ``owner`` no longer holds its lock or lease, judged from the record alone; None if it may."""
     if isinstance(owner, Unreadable):
         return f"its record is unreadable ({owner.reason})"
     if owner.released:
         return "it was released"
-    if owner.host == host:
+    if same_machine(owner, host, machine):
         if not _pid_alive(owner.pid):
             return f"process {owner.pid} on this host is gone"
         if owner.pid_start and _proc_start(owner.pid) not in (None, owner.pid_start):
@@ -178,7 +216,8 @@ def stale_reason(owner: Owner, host: str, stale_after_s: float, now: float | Non
 
 def lock_record(token: str, host: str) -> LockRecord:
     return LockRecord(pid=os.getpid(), host=host, heartbeat=time.time(), token=token,
-                      started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), pid_start=_proc_start(os.getpid()))
+                      started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), pid_start=_proc_start(os.getpid()),
+                      machine=MACHINE)
 
 
 def in_use_message(where: str, owner: Owner | None) -> str:
@@ -321,7 +360,7 @@ class RunLock:
             reason = f"its record is unreadable ({owner.reason})"
         elif isinstance(owner, LockRecord) and not owner.released:
             reason = self.stale_reason(owner)
-            if owner.host == self.host:  # a live owner on this host would hold the kernel lock we now hold
+            if same_machine(owner, self.host):  # a live owner here would hold the kernel lock we now hold
                 reason = reason or f"process {owner.pid} on this host does not hold the lock any more"
             elif reason is None:  # another host, on a file system that may not carry flock across hosts
                 raise RunDirInUse(f"{in_use_message(str(self.dir), owner)}. (Its heartbeat is "
