@@ -280,3 +280,37 @@ def test_a_run_dir_entry_of_the_wrong_kind_is_exit_2_naming_it(tmp_path: Path, n
         train(tiny_run(tmp_path, checkpoint_steps=1))
     assert caught.value.exit_code == 2
     assert sorted(p.name for p in tmp_path.iterdir() if p.name not in ("lock.json", ".lock")) == before
+
+
+# -- the run dir itself goes away, or turns read-only -------------------------------------------------------
+def test_a_run_dir_deleted_under_a_trainer_stops_it_and_is_not_recreated(tmp_path: Path) -> None:
+    # Before: the trainer recreated the run dir without its lock (a second trainer could enter) and ended "done".
+    run_dir = tmp_path / "run"
+    run = tiny_run(run_dir, size=400, checkpoint_steps=4)
+
+    def slow(run, epoch, step) -> None:  # noqa: ANN001
+        if step == 6:
+            shutil.rmtree(run_dir)  # Colab's file browser, a Drive sync
+        time.sleep(0.05)
+
+    train(run, slow)
+    assert not run.finished and run.exit_code == 75 and run.outcome.reason == "lock lost"
+    assert not run_dir.exists(), "nothing recreated the deleted run dir"
+
+
+def test_a_checkpoints_folder_that_refuses_writes_is_a_warning_then_exit_75(tmp_path: Path, monkeypatch,
+                                                                            capsys) -> None:  # noqa: ANN001
+    # Before: PermissionError from creating the step folder ended the run with a traceback (exit 1).
+    real = CheckpointManager.begin
+
+    def refused(self, step):  # noqa: ANN001
+        if step > 4:
+            raise PermissionError(13, "Permission denied", str(self.root))
+        return real(self, step)
+
+    monkeypatch.setattr(CheckpointManager, "begin", refused)
+    run = train(tiny_run(tmp_path, checkpoint_steps=2, max_steps=8))
+    err = capsys.readouterr().err
+    assert run.exit_code == 75 and run.outcome.reason == "save error"
+    assert "cannot create its folder" in err and "Permission denied" in err and "Traceback" not in err
+    assert [i.step for i in CheckpointManager(checkpoints_dir(tmp_path)).inspect() if i.valid] == [2, 4]

@@ -22,7 +22,7 @@ from ..checkpoint.memory import PeakMemory
 from ..checkpoint.staging import Staging, default_budget
 from ..checkpoint.tree import map_leaves
 from ..checkpoint.writer import CheckpointWriter
-from ..errors import NothingToResume, ResumableError
+from ..errors import NothingToResume, ResumableError, SaveFailed
 from ..faults import NO_FAULTS, Faults
 from . import determinism, hardware
 from .checks import check_computation
@@ -147,10 +147,20 @@ class Checkpointer:
             **({"frozen": self._frozen_record} if self._frozen_record else {}),
             **({"trainable": self.frozen.trainable()} if self.frozen.model is not None else {}),
         }
-        directory = self.manager.begin(step)
+        if not self.manager.root.parent.is_dir():  # the run dir was deleted under us: never recreated by a save
+            raise SaveFailed(f"saving the checkpoint of step {step} failed: the run dir {self.manager.root.parent} "
+                             f"is gone (deleted while training?); nothing is recreated there")
+        try:
+            directory = self.manager.begin(step)
+        except OSError as e:  # a read-only or vanished checkpoints folder: a failed save, never a traceback
+            raise SaveFailed(f"saving the checkpoint of step {step} failed: cannot create its folder in "
+                             f"{self.manager.root} ({e.strerror or e})") from e
         try:  # the training thread's part: every tensor staged, or written when it does not fit the staging memory
             pending = self.manager.state_format.begin(directory, payload, self.manager.previous_files(step),
                                                       self._staging_for() if self.writer.asynchronous else None)
+        except OSError as e:
+            self._discard_unfinished(step)
+            raise SaveFailed(f"saving the checkpoint of step {step} failed: {e}") from e
         except BaseException:
             self._discard_unfinished(step)
             raise

@@ -271,6 +271,7 @@ class RunLock:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost: str | None = None  # set when another process took the lock over: stop, write nothing more
+        self._gone_checked = 0.0
 
     def _read(self) -> Owner | None:
         return read_record_file(self.path)
@@ -411,6 +412,20 @@ class RunLock:
                     log.warning(f"cannot refresh the lock record {self.path} ({e.strerror or e}); retrying at the "
                                 f"next heartbeat")
                 failing = True
+
+    def gone(self, every_s: float = 1.0) -> str | None:
+        """Why the run dir is not ours any more although nobody took the lock: its lock file (or the whole run dir)
+        was deleted or replaced under us (Colab's file browser, a Drive sync). Checked at most every ``every_s``
+        seconds (one stat), so that a loop may ask at every step."""
+        now = time.monotonic()
+        if self.lost is not None or self._fd is None or now - self._gone_checked < every_s:
+            return self.lost
+        self._gone_checked = now
+        if not self._still_linked(self._fd):
+            self.lost = (f"{self.dir} was deleted or replaced while training (its lock file {self.kernel_path.name} is "
+                         f"gone): stopped without writing more, and nothing is recreated there. Put the run dir "
+                         f"back (its committed checkpoints) or use another --run-dir, then run again")
+        return self.lost
 
     def release(self) -> None:
         """Give the lock up (never raises): remove our record, then the lock file, then close it."""

@@ -119,7 +119,10 @@ class RunDir:
 
     @property
     def lost(self) -> str | None:
-        """Why this process no longer owns the run dir (its lock or lease was taken over), if so."""
+        """Why this process no longer owns the run dir (its lock or lease was taken over, or the run dir was deleted
+        under it), if so."""
+        if self.lock is not None and self.lock.gone() is not None:
+            return self.lock.lost
         for owner in (self.lock, self.lease):
             if owner is not None and owner.lost:
                 return owner.lost

@@ -159,8 +159,7 @@ class SessionLog:
         self._ending = threading.Lock()
 
     def _append(self, record: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as handle:
+        with open(self.path, "a", encoding="utf-8") as handle:  # the run dir exists: it is never recreated here
             handle.write(json.dumps(record) + "\n")
             handle.flush()
             os.fsync(handle.fileno())

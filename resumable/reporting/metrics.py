@@ -172,8 +172,7 @@ class MetricsLog:
     def log(self, record: dict[str, Any]) -> None:
         if self.path is None:
             return
-        if self._handle is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self._handle is None:  # the run dir exists (its lock is there): never recreated here
             # Line-buffered: each record reaches the OS at once, so a kill loses none that were logged
             # and progress is visible to anyone reading the file.
             self._handle = open(self.path, "a", encoding="utf-8", buffering=1)
