@@ -176,3 +176,46 @@ def test_a_recorded_option_of_the_wrong_type_falls_back_instead_of_a_traceback(t
     resumed = CliRunner().invoke(train_command, [*args[:-4], "--max-steps", "16", "--no-progress", "--no-download"])
     assert resumed.exit_code == 0, resumed.output
     assert "skipping checkpoint step 12" in resumed.output and "resuming from step 8" in resumed.output
+
+
+class WithConstant(torch.nn.Module):
+    """A trained layer and a large parameter that never changes (no gradient reaches it): its shard is the same in
+    every checkpoint, so it is hard-linked rather than written again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+        self.table = torch.nn.Parameter(torch.randn(4096))
+
+
+@pytest.mark.parametrize("keep", [2, 3])
+def test_with_keep_2_or_more_no_single_damaged_file_invalidates_every_kept_checkpoint(tmp_path: Path,
+                                                                                     keep: int) -> None:
+    # Before: every kept checkpoint linked the unchanged shard to one inode; one flipped bit invalidated them all.
+    torch.manual_seed(0)
+    model = WithConstant()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+    run = Run(tmp_path, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=1, progress=False,
+              checkpoint_steps=1, keep=keep, keep_best=False, shard_size="4KB")
+    for _epoch, _step, (x, y) in run:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model.layer(x), y).backward()
+        optimizer.step()
+    manager = CheckpointManager(checkpoints_dir(tmp_path))
+    kept = [info for info in manager.inspect() if info.valid]
+    assert len(kept) == keep
+    sharing: dict[int, int] = {}
+    for info in kept:
+        for name in info.manifest["files"]:
+            inode = (info.path / name).stat().st_ino
+            sharing[inode] = sharing.get(inode, 0) + 1
+    assert max(sharing.values()) <= keep - 1  # every file is missing from at least one kept checkpoint
+    assert run.stats.linked > 0 or keep == 2  # with keep 3, unchanged shards are still shared by two
+    for inode, count in sharing.items():  # damage each shared file in turn: some kept checkpoint stays valid
+        path = next(info.path / name for info in kept for name in info.manifest["files"]
+                    if (info.path / name).stat().st_ino == inode)
+        original = path.read_bytes()
+        path.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # in place: every link of it sees the flip
+        assert manager.latest_valid()[0] is not None, f"one damaged file ({path.name}) invalidated them all"
+        path.write_bytes(original)

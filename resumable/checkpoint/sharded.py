@@ -110,12 +110,15 @@ class ShardedFormat:
     name = KIND
 
     def __init__(self, shard_size: int = DEFAULT_SHARD_SIZE, load_timeout_s: float | None = None,
-                 faults: Faults = NO_FAULTS) -> None:
+                 faults: Faults = NO_FAULTS, share_limit: int | None = None) -> None:
         if shard_size < 1:
             raise ValueError(f"shard_size={shard_size} must be at least 1 byte")
         if load_timeout_s is not None and not (load_timeout_s > 0 and math.isfinite(load_timeout_s)):
             raise ValueError(f"load_timeout_s={load_timeout_s!r} must be a number of seconds > 0")
         self.shard_size = shard_size
+        # How many checkpoints may share one file (hard links): --keep - 1, so that with keep >= 2 one damaged file
+        # never invalidates every kept checkpoint; None: no limit (keep 1, where there is no second one anyway).
+        self.share_limit = share_limit
         self.load_timeout_s = load_timeout_from_env() if load_timeout_s is None else float(load_timeout_s)
         self.faults = faults
         # Shard name -> whether it equalled the previous checkpoint's last time: an unchanged one is hashed before
@@ -219,7 +222,7 @@ class ShardedFormat:
         comparable = previous is not None and previous.size == shardfile.file_size(items)
         if comparable and self._unchanged_before.get(shard.name, True):
             sha, size, singles = shardfile.digest(items)
-            if sha == previous.sha256 and _link(previous, final):
+            if sha == previous.sha256 and _link(previous, final, self.share_limit):
                 pending.result.linked += size
             else:
                 _write(final, items, hashed=False)
@@ -318,11 +321,16 @@ def _write(final: Path, items: list[Item], hashed: bool) -> tuple[str, int, dict
     return target.sha256.hexdigest(), target.size, singles
 
 
-def _link(previous: Previous, final: Path) -> bool:
-    """Hard-link ``final`` to the previous checkpoint's identical file; False where that cannot be done (another
-    file system, a mount without links, the file changed meanwhile): the caller writes it instead."""
+def _link(previous: Previous, final: Path, share_limit: int | None = None) -> bool:
+    """Hard-link ``final`` to the previous checkpoint's identical file; False where that must not or cannot be done,
+    and the caller writes it instead: the file is shared by ``share_limit`` checkpoints already (redundancy), it no
+    longer holds the bytes its manifest promised (damaged since: linking would copy the damage into the new
+    checkpoint), or links are impossible (another file system, a mount without links)."""
     try:
-        if paths.regular_stat(previous.path).st_size != previous.size:
+        found = paths.regular_stat(previous.path)
+        if found.st_size != previous.size or (share_limit is not None and found.st_nlink >= share_limit):
+            return False
+        if fmt.sha256_file(previous.path) != previous.sha256:
             return False
         tmp = fmt.tmp_path(final)
         tmp.unlink(missing_ok=True)

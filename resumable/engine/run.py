@@ -322,8 +322,9 @@ class Run:
                                   lost=lambda: rundir.lost)
         self._metrics = MetricsLog(rundir.local / METRICS if main else None)
         self._checkpointer = Checkpointer(
-            CheckpointManager(checkpoints_dir(rundir.local), ShardedFormat(self.options.shard_size_bytes,
-                                                                           faults=self.faults), self.faults),
+            CheckpointManager(checkpoints_dir(rundir.local), ShardedFormat(
+                self.options.shard_size_bytes, faults=self.faults,
+                share_limit=self.options.keep - 1 if self.options.keep >= 2 else None), self.faults),
             self._objects, self.state,
             meta={"config": self.settings, "computation": self.computation, "device": str(self.device),
                   "world_size": self.dist.world_size, "run_id": choice.run_id, **self._tracking(choice)},
