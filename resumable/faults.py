@@ -1,8 +1,11 @@
 """Faults injected on purpose, for `resumable chaos` and the tests: one object handed to the engine.
 
 Production code never reads test variables; it asks the :class:`Faults` it was given. A child process that
-chaos starts gets its faults through one variable, ``RESUMABLE_FAULTS`` (JSON), read only by
-:meth:`Faults.from_env` where a :class:`~resumable.engine.run.Run` is built without explicit faults.
+chaos starts gets its faults through ``RESUMABLE_FAULTS`` (JSON) and ``RESUMABLE_FAULTS_ARMED=1`` beside it
+(:meth:`Faults.to_env`), read only by :meth:`Faults.from_env` where a :class:`~resumable.engine.run.Run` is built
+without explicit faults. A ``RESUMABLE_FAULTS`` left in an environment by hand (without the armed mark) is ignored
+with a warning: a stray ``skip_rng_restore`` would otherwise turn off the RNG restore and its check in silence. Faults
+that are obeyed are said at every start (:meth:`Faults.describe`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 
 FAULTS_ENV = "RESUMABLE_FAULTS"
+ARMED_ENV = "RESUMABLE_FAULTS_ARMED"  # "1": resumable chaos (or a test, through to_env) put the faults there
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,15 @@ multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a
         text = os.environ.get(FAULTS_ENV)
         if not text:
             return NO_FAULTS
+        if os.environ.get(ARMED_ENV) != "1":
+            from . import log
+
+            if text in _WARNED:
+                return NO_FAULTS
+            _WARNED.add(text)
+            log.warning(f"{FAULTS_ENV} is set ({text[:80]}) but was not armed by resumable chaos ({ARMED_ENV}=1): "
+                        f"ignored, this is a normal run. Unset {FAULTS_ENV} to silence this")
+            return NO_FAULTS
         try:
             data = json.loads(text)
             known = {f.name for f in fields(cls)}
@@ -64,7 +77,12 @@ multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a
 
     def to_env(self) -> dict[str, str]:
         """The environment that hands these faults to a child process."""
-        return {FAULTS_ENV: json.dumps(asdict(self))}
+        return {FAULTS_ENV: json.dumps(asdict(self)), ARMED_ENV: "1"}
+
+    def describe(self) -> str:
+        """The faults set, for the line every start that obeys them prints ("" for none)."""
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                         if getattr(self, f.name) != f.default)
 
     def before_commit(self, step: int | None = None, abandoned: threading.Event | None = None) -> None:
         """``abandoned``: the session gave up on this save; a held save stops waiting then."""
@@ -93,6 +111,7 @@ multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a
             time.sleep(self.shard_delay_s)
 
 
+_WARNED: set[str] = set()  # unarmed RESUMABLE_FAULTS values already warned about (once per process)
 _CLOCK: dict[str, float] = {}  # when this process trained its first step; which timed faults have fired
 
 

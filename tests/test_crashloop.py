@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from resumable.cli import train_command
 from resumable.engine import active
 from resumable.engine.crashloop import crash_loop
 from resumable.errors import EXIT_CRASH_LOOP, CrashLoop
+from resumable.faults import Faults
 from resumable.reporting.history import SessionRecord, read_sessions
 
 ARGS = ["--batch-size", "16", "--epochs", "3", "--checkpoint-steps", "4", "--log-every", "1", "--no-progress",
@@ -94,7 +94,8 @@ def test_a_changed_option_starts_a_new_count(tmp_path: Path) -> None:
 
 def test_always_failing_step_stops_the_next_start(tiny_mnist: Path, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RESUMABLE_FAULTS", json.dumps({"raise_at_step": 9}))
+    for name, value in Faults(raise_at_step=9).to_env().items():
+        monkeypatch.setenv(name, value)
     for _ in range(4):  # session 1 commits steps 4, 6, 8 (progress), sessions 2-4 all fail from step 8
         result = invoke(tmp_path, tiny_mnist)
         assert isinstance(result.exception, RuntimeError) and "planted failure at step 9" in str(result.exception)

@@ -6,10 +6,12 @@ resuming still gives the uninterrupted result."""
 from __future__ import annotations
 
 import errno
+import json
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from helpers import final_fingerprint, records, small_filesystem
 
@@ -50,8 +52,8 @@ def fail_once(monkeypatch: pytest.MonkeyPatch, module, name: str, code: int, on_
 
 # In the soak set: the payload's ENOSPC (test_ddp.py's failed save on rank 0 runs out of a real disk mid-run; the
 # payload's EIO takes the same path here) and the manifest's EIO (the manifest's ENOSPC takes the same path).
-@pytest.mark.parametrize("target, code", [pytest.param("write_payload", errno.ENOSPC, marks=pytest.mark.soak),
-                                          ("write_payload", errno.EIO), ("write_json_atomic", errno.ENOSPC),
+@pytest.mark.parametrize("target, code", [pytest.param("write_bytes_atomic", errno.ENOSPC, marks=pytest.mark.soak),
+                                          ("write_bytes_atomic", errno.EIO), ("write_json_atomic", errno.ENOSPC),
                                           pytest.param("write_json_atomic", errno.EIO, marks=pytest.mark.soak),
                                           ("fsync_dir", errno.EIO)],
                          ids=["payload-ENOSPC", "payload-EIO", "manifest-ENOSPC", "manifest-EIO", "fsync-EIO"])
@@ -69,7 +71,7 @@ def test_failed_save_warns_and_training_goes_on(tiny_mnist: Path, tmp_path: Path
 
 def test_on_save_error_stop_exits_75_and_resumes_identically(tiny_mnist: Path, tmp_path: Path, monkeypatch,
                                                              reference) -> None:
-    fail_once(monkeypatch, fmt, "write_payload", errno.ENOSPC, on_call=3)
+    fail_once(monkeypatch, fmt, "write_bytes_atomic", errno.ENOSPC, on_call=3)
     result = invoke(tmp_path, tiny_mnist, "--on-save-error", "stop")
     assert result.exit_code == 75, result.output
     assert "newest valid checkpoint is step 4" in result.output
@@ -85,7 +87,7 @@ def fail_slowly(monkeypatch: pytest.MonkeyPatch, on_call: int, delay_s: float = 
     """The ``on_call``-th payload write takes ``delay_s`` and then fails with ENOSPC (in the background)."""
     import time
 
-    real, calls = fmt.write_payload, []
+    real, calls = fmt.write_bytes_atomic, []
 
     def slow_then_full(*args, **kwargs):
         calls.append(1)
@@ -94,7 +96,7 @@ def fail_slowly(monkeypatch: pytest.MonkeyPatch, on_call: int, delay_s: float = 
             raise OSError(errno.ENOSPC, "injected ENOSPC")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fmt, "write_payload", slow_then_full)
+    monkeypatch.setattr(fmt, "write_bytes_atomic", slow_then_full)
 
 
 @pytest.mark.parametrize("policy", ["stop", "warn"])
@@ -115,7 +117,7 @@ def test_a_save_failing_after_the_last_step_decides_the_exit(tiny_mnist: Path, t
 
 @pytest.mark.parametrize("policy", ["stop", "warn"])
 def test_a_failed_final_save_exits_75_not_done(tiny_mnist: Path, tmp_path: Path, monkeypatch, policy: str) -> None:
-    fail_once(monkeypatch, fmt, "write_payload", errno.ENOSPC, on_call=3)  # saves at steps 2, 4, then 5: final
+    fail_once(monkeypatch, fmt, "write_bytes_atomic", errno.ENOSPC, on_call=3)  # saves at steps 2, 4, then 5: final
     result = invoke(tmp_path, tiny_mnist, "--max-steps", "5", "--on-save-error", policy)
     assert result.exit_code == 75, result.output
     assert "stopped early (a checkpoint could not be written): the newest valid checkpoint is step 4" in result.output
@@ -181,3 +183,22 @@ def test_real_disk_full_keeps_the_previous_checkpoint(tiny_mnist: Path, tmp_path
     assert final_fingerprint(run_dir) == final_fingerprint(reference)
     assert records(run_dir) == records(reference)
     assert not list(run_dir.rglob("*.tmp-*")), "the partial save's temp file is cleaned up"
+
+
+def test_faults_in_the_environment_are_obeyed_only_when_armed_and_said_when_they_are(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: a stray RESUMABLE_FAULTS (e.g. skip_rng_restore) silently turned off the RNG restore and its check.
+    from resumable import Run
+    from resumable.faults import ARMED_ENV, FAULTS_ENV, NO_FAULTS, Faults
+
+    monkeypatch.setenv(FAULTS_ENV, json.dumps({"skip_rng_restore": True}))
+    monkeypatch.delenv(ARMED_ENV, raising=False)
+    assert Faults.from_env() == NO_FAULTS
+    assert "was not armed by resumable chaos" in capsys.readouterr().err
+    for name, value in Faults(skip_rng_restore=True).to_env().items():
+        monkeypatch.setenv(name, value)
+    assert Faults.from_env().skip_rng_restore
+    model = torch.nn.Linear(2, 2)
+    Run(tmp_path, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data=torch.utils.data.TensorDataset(torch.zeros(4, 2)), batch_size=2)
+    assert "faults injected on purpose (skip_rng_restore=True)" in capsys.readouterr().err

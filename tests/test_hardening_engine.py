@@ -170,19 +170,19 @@ def test_a_disk_full_for_a_while_leaves_no_temp_files_and_the_next_save_succeeds
                                                                                 monkeypatch) -> None:
     from resumable.checkpoint import state_format
 
-    real = fmt.write_payload
+    real = fmt.write_bytes_atomic
     calls = {"n": 0}
 
-    def full_for_a_while(directory: Path, obj, name: str = fmt.PAYLOAD):
+    def full_for_a_while(directory: Path, data: bytes, name: str):
         calls["n"] += 1
         if 2 <= calls["n"] <= 4:  # three saves in a row hit a full disk, half-way through their payload
             (directory / f".{name}{fmt.TMP_MARK}{os.getpid()}").write_bytes(b"x" * 1000)
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
-        return real(directory, obj, name)
+        return real(directory, data, name)
 
-    monkeypatch.setattr(state_format.fmt, "write_payload", full_for_a_while)
+    monkeypatch.setattr(state_format.fmt, "write_bytes_atomic", full_for_a_while)
     run = train(tiny_run(tmp_path, checkpoint_steps=1, sync_checkpoints=True))
-    assert run.finished and leftovers(tmp_path) == []
+    assert calls["n"] > 4 and run.finished and leftovers(tmp_path) == []
     latest, _ = CheckpointManager(checkpoints_dir(tmp_path)).latest_valid()
     assert latest.step == 10
 

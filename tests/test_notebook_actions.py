@@ -6,7 +6,6 @@ fingerprint and metrics of a run that was never interrupted."""
 from __future__ import annotations
 
 import fcntl
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ from helpers import final_fingerprint, records
 from kernel import Kernel
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
+from resumable.faults import Faults
 from resumable.reporting.history import read_sessions
 
 # The user's notebook: a data cell, a model cell, the Run cell and the loop cell (the README's own loop, no `with`).
@@ -89,7 +89,8 @@ def notebook(kernels: list[Kernel], tmp_path_factory: pytest.TempPathFactory) ->
     kernel = kernels[-1]
     yield kernel
     if kernel.alive():  # what a test planted in the kernel goes with it
-        kernel.run("import os; os.environ.pop('RESUMABLE_FAULTS', None)")
+        kernel.run("import os; [os.environ.pop(name, None) for name in ('RESUMABLE_FAULTS', "
+                   "'RESUMABLE_FAULTS_ARMED')]")
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +104,7 @@ def reference(kernels: list[Kernel], tmp_path_factory: pytest.TempPathFactory) -
 
 def plant_faults(kernel: Kernel, **faults: object) -> None:
     """Faults for the Runs the kernel builds next (read when a Run is built; the fixture removes them after)."""
-    kernel.run(f"import os; os.environ['RESUMABLE_FAULTS'] = {json.dumps(faults)!r}")
+    kernel.run(f"import os; os.environ.update({Faults(**faults).to_env()!r})")
 
 
 def assert_identical(run_dir: Path, reference: tuple[str, list]) -> None:

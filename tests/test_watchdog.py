@@ -22,6 +22,7 @@ from resumable.engine.watchdog import (
     default_timeout,
 )
 from resumable.errors import EXIT_HANG
+from resumable.faults import Faults
 
 ARGS = ["--batch-size", "16", "--epochs", "3", "--checkpoint-steps", "2", "--log-every", "1", "--no-progress",
         "--no-download"]
@@ -92,7 +93,7 @@ def test_planted_hang_exits_76_with_stacks_and_resumes_identically(tiny_mnist: P
     reference = tmp_path / "reference"
     assert _invoke(reference, tiny_mnist).exit_code == 0
     run_dir = tmp_path / "run"
-    hung = _train(run_dir, tiny_mnist, "--hang-timeout", "2s", RESUMABLE_FAULTS=json.dumps({"hang_at_step": 5}))
+    hung = _train(run_dir, tiny_mnist, "--hang-timeout", "2s", **Faults(hang_at_step=5).to_env())
     assert hung.returncode == EXIT_HANG, hung.stderr
     stacks = list(run_dir.glob("hang-*-0.txt"))
     assert [p.name for p in stacks] == ["hang-1-0.txt"]

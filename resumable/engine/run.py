@@ -152,6 +152,8 @@ class Run:
         self.evaluate = evaluate
         self.device = torch.device(device) if device is not None else device_of(model)
         self.faults = faults if faults is not None else Faults.from_env()
+        if self.faults.describe():  # never silent: they change what the run does
+            log.warning(f"faults injected on purpose ({self.faults.describe()}): a chaos test, not a normal run")
         self._objects: dict[str, Stateful | None] = {"model": plain_module(model), "optimizer": optimizer,
                                                      "scheduler": scheduler, "scaler": scaler,
                                                      "sampler": self.sampler}
