@@ -5,6 +5,7 @@ variable-length samples (padded by a custom collate_fn) and random noise drawn w
 
 KIND: ``plain`` (an IterableDataset without state_dict: resumed by replay), ``stateful`` (with the protocol),
 ``hf`` (a Hugging Face ``datasets`` streaming dataset over local JSON-lines files made in RUN_DIR's parent),
+``hfshuffle`` (the same, shuffled through a buffer),
 ``loader`` (torchdata's StatefulDataLoader over a map-style dataset, shuffled).
 """
 
@@ -120,6 +121,8 @@ def main(argv: list[str]) -> int:
         options = {}
     elif kind == "hf":
         data = hf_stream(run_dir.parent / "hf-data")
+    elif kind == "hfshuffle":  # the usual LM setup: its state_dict() leaves the shuffle buffer out
+        data = hf_stream(run_dir.parent / "hf-data").shuffle(seed=3, buffer_size=32)
     else:
         data = {"plain": Plain, "stateful": Stateful}[kind]()
     run = resumable.Run(run_dir, model=model, optimizer=optimizer, scheduler=scheduler, data=data, batch_size=8,

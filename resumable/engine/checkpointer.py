@@ -24,7 +24,7 @@ from ..checkpoint.tree import map_leaves
 from ..checkpoint.writer import CheckpointWriter
 from ..errors import NothingToResume, ResumableError, SaveFailed
 from ..faults import NO_FAULTS, Faults
-from . import determinism, hardware
+from . import datacheck, determinism, hardware
 from .checks import check_computation
 from .distributed import Distributed
 from .frozen import FrozenTensors
@@ -34,6 +34,7 @@ from .verify import verify_restored
 # Payload keys that are not user objects.
 _TRAIN_STATE, _RNG, _RANKS, _MODES = fmt.TRAIN_STATE, "rng", "ranks", "module_modes"
 _OLD_RNG_RANKS = "rng_ranks"  # checkpoints before per-rank counters: every rank's RNG only
+_DATA_NEXT = "data_next"  # in each rank's entry: the record of its next batch (None where not known)
 def owned(state: Any) -> Any:
     """``state`` with every tensor copied into memory of its own. A loaded payload's tensors are views of the
     checkpoint's files (mapped, so that restoring costs no second copy of the model); an object that keeps them
@@ -100,13 +101,17 @@ class Checkpointer:
         self.resumed_from: CheckpointInfo | None = None
         self.restore_cost: PeakMemory | None = None  # time and host memory the restore took
         self.verified: str | None = None  # what the verification of the last restore checked, and its time
+        self.data_next: dict[str, Any] | None = None  # this rank's record of its next batch at the restored step
         # Objects a checkpoint may hold no state for (None): they keep their fresh state. The GradScaler of an AMP
         # switch (bf16 checkpoint, fp16 session: engine/hardware.py); any other missing state is an error.
         self.fresh: frozenset[str] = frozenset()
 
     # -- saving ------------------------------------------------------------------------------------
-    def _rank_state(self) -> dict[str, Any]:
-        return {"rng": capture_rng(), "counters": self.state.rank_dict()}
+    def _rank_state(self, rng: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What differs per rank: RNG streams, counters, and the record of the data this rank reads next
+        (engine/datacheck.py: compared with the first batch after a resume)."""
+        return {"rng": capture_rng() if rng is None else rng, "counters": self.state.rank_dict(),
+                _DATA_NEXT: datacheck.upcoming(self.objects.get("sampler"), self.state.epoch, self.state.batch_in_epoch)}
 
     def _modes(self) -> list[bool]:
         return [m.training for m in self.modules.modules()] if isinstance(self.modules, torch.nn.Module) else []
@@ -134,7 +139,7 @@ class Checkpointer:
         self.writer.wait()  # at most one save in flight; its host buffers are about to be reused
         self._check_free_space()
         payload = self.payload()
-        payload[_RANKS] = self.dist.gather({"rng": payload[_RNG], "counters": self.state.rank_dict()})
+        payload[_RANKS] = self.dist.gather(self._rank_state(payload[_RNG]))
         step = self.state.step
         meta = {
             **self.meta,
@@ -282,6 +287,15 @@ class Checkpointer:
             return old[rank], None
         return payload[_RNG], None
 
+    def _my_data_next(self, payload: dict[str, Any]) -> dict[str, Any] | None:
+        """This rank's record of its next batch (None: not recorded, or saved at another world size)."""
+        ranks = payload.get(_RANKS)
+        if not isinstance(ranks, list) or len(ranks) != self.dist.world_size:
+            return None
+        mine = ranks[self.dist.rank]
+        record = mine.get(_DATA_NEXT) if isinstance(mine, dict) else None
+        return record if datacheck.valid_record(record) else None
+
     def restore(self, info: CheckpointInfo) -> None:
         """Load ``info`` into every object. Raises InvalidCheckpoint before touching anything if the
         payload is unreadable, incomplete or does not match its manifest's fingerprint."""
@@ -306,6 +320,7 @@ class Checkpointer:
             raise InvalidCheckpoint("payload does not match the manifest's training-state fingerprint")
         _check_position(payload[_TRAIN_STATE], info.manifest)
         rng, counters = self._my_rank_state(payload)
+        self.data_next = self._my_data_next(payload)
         self.frozen.restore_trainable(trainable, info.step)  # trainable flags are state (gradual unfreezing)
         built = self.frozen.built(payload["model"] if isinstance(payload["model"], dict) else ())
         fresh = {name for name in self.fresh if payload.get(name) is None}

@@ -15,9 +15,10 @@ import torch
 
 from .. import log
 from ..config import format_duration
-from ..errors import SaveFailed, SaveStuck, StateNotLoadable
+from ..errors import ResumeNotApplied, SaveFailed, SaveStuck, StateNotLoadable
 from ..reporting.reporters import Reporter
 from .checkpointer import Checkpointer
+from .datacheck import FirstBatchCheck, source_name
 from .distributed import Distributed, Pending
 from .preemption import Budget, StopFlag
 from .sampler import ResumableSampler
@@ -330,6 +331,8 @@ class Loop:
         window: list[torch.Tensor] = []
         first = state.batch_in_epoch  # saves happen at step boundaries only, so this starts a window
         for index, item, size, last in sampler.walk(state.epoch, first, self.device):
+            if getattr(self.session, "data_next", None) is not None:  # the first batch after a resume, untrained
+                self._check_first_batch(state.epoch, index, item)
             if index % accumulate == 0 or index == first:  # a step (accumulation window) begins
                 started = time.monotonic()
                 step_samples = 0
@@ -376,6 +379,16 @@ class Loop:
                 return reason
         state.epoch_loss_sum = loss_sum.item()
         return None
+
+    def _check_first_batch(self, epoch: int, index: int, item: Any) -> None:
+        """The data produced what the checkpoint recorded it would (engine/datacheck.py); else ResumeNotApplied,
+        before anything is trained. Each rank checks its own data (under torchrun the launcher ends the others when
+        one fails: no collective here, as a rank without a record would not join it)."""
+        check = FirstBatchCheck(self.session.data_next, source_name(self.sampler))
+        self.session.data_next = None
+        problem = check.problem(epoch, index, item)
+        if problem is not None:
+            raise ResumeNotApplied(problem)
 
     def _finish_epoch(self) -> None:
         state = self.state

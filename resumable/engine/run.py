@@ -359,6 +359,8 @@ class Run:
                     accept={"amp": (switch["from"], switch["to"])} if switch else None)
                 if self.allow_data_change:
                     self.data_change = accept_data_change(info, self.computation.get("num_samples"), self.state)
+                    if self.data_change:  # another order from here on, by request: not a resume that went wrong
+                        self._checkpointer.data_next = None
             except Exception as e:  # noqa: BLE001 - any failure (an OSError too) must reach every rank
                 error = e
             else:
@@ -377,7 +379,9 @@ class Run:
                 log.info(f"resuming from step {info.step} (epoch {self.state.epoch}, batch "
                          f"{self.state.batch_in_epoch}), saved {describe_age(info.created)}; loaded in "
                          f"{cost.seconds if cost is not None else 0:.2f}s{memory}")
-                log.info(f"resume verified {self._checkpointer.verified}")
+                ahead = self._checkpointer.data_next
+                first = f"; the first batch is compared with the checkpoint's record of its {ahead['of']}" if ahead else ""
+                log.info(f"resume verified {self._checkpointer.verified}{first}")
         failed = self.dist.all_errors(None if error is None else str(error) if isinstance(error, ResumableError)
                                       else f"{type(error).__name__}: {error}")
         if failed:

@@ -52,6 +52,7 @@ class ResumableSampler:
         self.world_size = world_size
         self.allow_size_change = False  # set by Run(allow_data_change=True)
         self._told = False  # the trailing samples that no step takes are announced once
+        self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its order on CPU), for upcoming()
         if self.batches_per_epoch < 1:
             raise ValueError(f"num_samples={num_samples} is too few for {world_size} processes: each rank needs at "
                              f"least {self.min_rank_batch} sample(s) per step; use fewer processes or more data")
@@ -129,11 +130,21 @@ class ResumableSampler:
         """``(index, indices, size, last)`` for batches ``first..`` of ``epoch``: what the loop trains (indices on
         ``device``), how many samples, and whether it is the epoch's last batch."""
         order = self.epoch_order(epoch)
+        self._order = (epoch, order)
         order = order.to(device) if device is not None else order
         batches = self.batches_per_epoch
         for index in range(first, batches):
             indices = self.batch(order, index)
             yield index, indices, len(indices), index + 1 == batches
+
+    def upcoming(self, epoch: int, index: int) -> tuple[str, torch.Tensor] | None:
+        """What batch ``index`` of ``epoch`` is made of, for a checkpoint's record (engine/datacheck.py): its
+        sample indices, without loading anything."""
+        if not 0 <= index < self.batches_per_epoch:
+            return None
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, self.epoch_order(epoch))
+        return "sample indices", self.batch(self._order[1], index)
 
     def epoch_done(self, epoch: int, batch_in_epoch: int) -> bool:
         """Whether every batch of ``epoch`` was trained when ``batch_in_epoch`` batches are."""

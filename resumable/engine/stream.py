@@ -29,6 +29,7 @@ length is learnt from the first epoch). Two kinds:
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -41,16 +42,37 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from .. import log
-from ..errors import ResumableError
+from ..errors import ResumableError, ResumeNotApplied
 from .data import _Seeded, batch_seed, shut_down, worker_options
 from .sampler import epoch_seed
 
 _RESERVED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator")
 _END = -1  # the size of a worker's end-of-stream mark
+_FAILED = -2  # the size of a worker's report that its dataset could not load its saved position
 
 
 def has_protocol(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def refilled_on_load(dataset: Any) -> str | None:
+    """Why ``dataset``'s ``state_dict()`` does not hold its exact position (None: no known reason).
+
+    A Hugging Face ``datasets`` stream shuffled through a buffer (``.shuffle(buffer_size=...)``) saves no buffer:
+    its ``load_state_dict`` refills the buffer from the stream, so the samples that were in it are lost and others
+    come twice. Found by walking its chain of example iterables (``_ex_iterable``, ``ex_iterable(s)``)."""
+    stack, seen = [getattr(dataset, "_ex_iterable", None)], 0
+    while stack and seen < 1000:
+        node, seen = stack.pop(), seen + 1
+        if node is None:
+            continue
+        if type(node).__name__ == "BufferShuffledExamplesIterable":
+            size = getattr(node, "buffer_size", "?")
+            return (f"it is a Hugging Face stream shuffled through a buffer of {size} samples, which its "
+                    f"state_dict() leaves out (load_state_dict refills it, losing and repeating samples)")
+        stack.append(getattr(node, "ex_iterable", None))
+        stack.extend(getattr(node, "ex_iterables", None) or [])
+    return None
 
 
 def is_loader(data: Any) -> bool:
@@ -100,7 +122,12 @@ class _WorkerStream(IterableDataset):
         if start["state"] is not None:
             if info is None:  # the training process: the user's object must never hold a checkpoint's state
                 dataset = copy.deepcopy(dataset)
-            dataset.load_state_dict(start["state"])
+            try:
+                dataset.load_state_dict(start["state"])
+            except Exception as e:  # noqa: BLE001 - reported by the training process as a resume error, not a
+                # traceback from inside a worker (datasets' IndexError in a shuffled stream's load_state_dict)
+                yield None, worker, count, _FAILED, samples, (type(e).__name__, str(e))  # plain text: always pickles
+                return
         items = iter(dataset)
         if start["state"] is None:
             for replayed in range(count):  # no protocol: replay this worker's batches, under their seeds
@@ -130,6 +157,7 @@ class _Stream(ABC):
         self._consumed: dict[str, Any] = {}  # the position after the last batch handed to the loop
         self._ended: tuple[int, int] | None = None  # (epoch, batches) when that epoch's last batch was handed out
         self._iterator: Any = None
+        self._ahead: tuple[int, int, Any] | None = None  # (epoch, index, batch) read ahead by walk, not yet trained
         self.owns_loader = False  # the DataLoader (and its workers) is this stream's own
 
     @property
@@ -173,8 +201,10 @@ class _Stream(ABC):
             self._consumed["batches"] = index + 1
             if last:
                 self._ended, self.epoch_batches = (epoch, index + 1), index + 1
+            self._ahead = None if last else (epoch, index + 1, following[0])
             yield index, pending[0], pending[1], last
             index, pending = index + 1, following
+        self._ahead = None
         if index == first:
             self._ended = (epoch, first)
             if epoch == 0 and first == 0:
@@ -185,6 +215,12 @@ class _Stream(ABC):
     def epoch_done(self, epoch: int, batch_in_epoch: int) -> bool:
         return self._ended == (epoch, batch_in_epoch)
 
+    def upcoming(self, epoch: int, index: int) -> tuple[str, Any] | None:
+        """The batch the stream produces at (epoch, index) when walk has already read it (engine/datacheck.py);
+        None at an epoch's start, where nothing is read ahead."""
+        ahead = self._ahead
+        return ("batch content", ahead[2]) if ahead is not None and ahead[:2] == (epoch, index) else None
+
     def epoch(self, _sampler: Any, _epoch: int, _start: int) -> Callable[[Any], Any]:
         return _same
 
@@ -192,6 +228,7 @@ class _Stream(ABC):
         if self.owns_loader:  # a user's loader (persistent workers, perhaps) is the user's to end
             shut_down(self._iterator)
         self._iterator = None
+        self._ahead = None
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.identity(), "position": copy.deepcopy(self._consumed), "epoch_batches": self.epoch_batches}
@@ -239,6 +276,12 @@ class DatasetStream(_Stream):
         self.options = options
         self.workers = max(int(options.get("num_workers", 0)), 1)
         self.protocol = has_protocol(dataset)
+        refilled = refilled_on_load(dataset) if self.protocol else None
+        if refilled is not None:  # its state would resume somewhere else: replayed instead, which is exact
+            self.protocol = False
+            log.info(f"the data is resumed by replaying its epoch up to the saved position, not by its "
+                     f"state_dict(): {refilled}. For an O(1) resume shuffle without a buffer (e.g. shuffle the "
+                     f"files per epoch yourself) or load the data map-style (not streaming)")
         self.owns_loader = True
 
     def identity(self) -> dict[str, Any]:
@@ -280,6 +323,8 @@ class DatasetStream(_Stream):
                     return
                 queues[item[1]].append(item)
             batch, _, count, size, samples, state = queues[worker].popleft()
+            if size == _FAILED:
+                raise ResumeNotApplied(_not_loaded_message(f"{type(self.dataset).__name__}, worker {worker}", *state))
             if size == _END:
                 ended[worker] = True
                 continue
@@ -304,6 +349,14 @@ class LoaderStream(_Stream):
             raise ValueError(f"batch_size={batch_size} but the loader makes batches of {size}: pass the same value")
         self.loader = loader
         self.protocol = has_protocol(loader)
+        refilled = refilled_on_load(getattr(loader, "dataset", None)) if self.protocol else None
+        if refilled is not None:  # the loader's state holds its dataset's, which would resume somewhere else
+            self.protocol = False
+            log.info(f"the loader is resumed by replaying its epoch up to the saved position, not by its "
+                     f"state_dict(): its dataset's {refilled}")
+
+    def _not_loaded(self, error: BaseException) -> ResumeNotApplied:
+        return ResumeNotApplied(_not_loaded_message(type(self.loader).__name__, type(error).__name__, str(error)))
 
     def identity(self) -> dict[str, Any]:
         return {"kind": "loader stream", "batch_size": self.batch_size, "protocol": self.protocol,
@@ -320,9 +373,22 @@ class LoaderStream(_Stream):
         for holder in (self.loader, dataset):
             if hasattr(holder, "set_epoch"):
                 holder.set_epoch(epoch)
-        if self.protocol and position is not None and position.get("loader") is not None:
-            self.loader.load_state_dict(position["loader"])  # also at an epoch boundary: its next iter() is a new epoch
+        loaded = self.protocol and position is not None and position.get("loader") is not None
+        if loaded:
+            try:  # also at an epoch boundary: its next iter() is a new epoch
+                self.loader.load_state_dict(position["loader"])
+            except Exception as e:  # noqa: BLE001 - named as what it is: the saved position did not load
+                raise self._not_loaded(e) from e
         self._iterator = iterator = iter(self.loader)
+        if loaded:  # a loader's workers load their dataset's state when the first batch is asked for
+            try:
+                ahead = next(iterator)
+            except StopIteration:
+                ahead = None
+            except Exception as e:  # noqa: BLE001
+                raise self._not_loaded(e) from e
+            if ahead is not None:
+                iterator = itertools.chain([ahead], iterator)
         if not self.protocol and first:
             began, samples = time.perf_counter(), 0
             for _ in range(first):
@@ -334,6 +400,14 @@ class LoaderStream(_Stream):
             size = batch_size_of(batch)
             yield batch, size, (self.loader.state_dict() if self.protocol else None)
         yield None, _END, (self.loader.state_dict() if self.protocol else None)
+
+
+def _not_loaded_message(what: str, kind: str, text: str) -> str:
+    lines = text.strip().splitlines() or [""]
+    detail = lines[-1] if "Traceback" in text else f"{kind}: {lines[0]}"  # a worker's error ends with the original
+    return (f"the data ({what}) could not resume at its saved position ({detail}): its "
+            f"load_state_dict() does not accept what its state_dict() gave. Fix its state_dict()/load_state_dict(), "
+            f"or remove them so that it is resumed by replay; the checkpoint is unchanged")
 
 
 def stream_source(data: Any, batch_size: int, seed: int, drop_last: bool, loader_options: dict[str, Any]) -> _Stream:
