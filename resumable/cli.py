@@ -319,7 +319,7 @@ def inspect(run_dir: str, as_json: bool, drive_credentials: str | None, deep: bo
             entries = [{**i.to_json(), "committed": i.committed, "format_version": i.format_version, "note": i.note}
                        for i in CheckpointManager(checkpoints_dir(run_dir)).inspect(deep=True)]
             sessions = read_sessions(Path(run_dir))
-    except StorageError as e:
+    except (StorageError, ValueError) as e:  # ValueError: a malformed or misspelt Drive URL, named with the fix
         _fail(str(e))
     latest = next((e for e in reversed(entries) if e["valid"]), None)
     if as_json:
@@ -463,9 +463,9 @@ def verify(run_dir: str, drive_credentials: str | None, deep: bool) -> None:
     save and not judged, since a start ignores it and removes it. A gdrive:// run dir is checked on Drive without
     downloading the payload (sizes, and md5 where the manifest records it), or hashed with --deep."""
     from .checkpoint import CheckpointManager, checkpoints_dir
-    from .storage.gdrive import is_drive_url
+    from .storage.gdrive import is_drive_url, misspelt_drive_url
 
-    if is_drive_url(run_dir):
+    if is_drive_url(run_dir) or misspelt_drive_url(run_dir):  # a misspelt one is refused there, with the fix
         _verify_drive(run_dir, drive_credentials, deep)
         return
     infos = CheckpointManager(checkpoints_dir(run_dir)).inspect(deep=True)

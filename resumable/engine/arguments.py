@@ -14,7 +14,14 @@ from .. import log
 from ..config import RunOptions, format_duration, parse_duration
 from .data import IndexBatches, LoaderBatches
 from .distributed import Distributed
-from .preemption import Budget, colab_default_limit_s, process_age_s
+from .preemption import (
+    COLAB_LIFETIME_ENV,
+    COLAB_SAFETY_S,
+    Budget,
+    colab_default_limit_s,
+    colab_vm_lifetime_s,
+    process_age_s,
+)
 from .sampler import ResumableSampler
 from .stream import is_stream, stream_source
 from .triggers import SaveTriggers
@@ -57,11 +64,19 @@ def budget(options: RunOptions) -> Budget:
     if options.time_limit_s is not None:
         return Budget(options.time_limit_s, start=start)
     colab = colab_default_limit_s()
-    if colab is not None:
-        log.info(f"Colab detected: stopping cleanly after {format_duration(colab)} (before the 12 h VM limit, "
-                 f"counted from VM start); pass --time-limit to change it")
-        return Budget(colab)
-    return Budget(None)
+    if colab is None:
+        return Budget(None)
+    lifetime, source = colab_vm_lifetime_s()
+    if colab <= 0:  # no floor: a step now would eat the margin kept for the last save before the VM goes
+        log.warning(f"Colab VM: less than {format_duration(COLAB_SAFETY_S)} is left of its "
+                    f"{format_duration(lifetime)} lifetime ({source}, counted from VM start): saving a checkpoint and "
+                    f"stopping now, before any step. Continue on a fresh runtime, or set {COLAB_LIFETIME_ENV} (e.g. "
+                    f"24h on Colab Pro) or --time-limit if this VM lives longer")
+    else:
+        log.info(f"Colab detected: stopping cleanly after {format_duration(colab)} (before the VM's "
+                 f"{format_duration(lifetime)} lifetime, {source}, counted from VM start); pass --time-limit or set "
+                 f"{COLAB_LIFETIME_ENV} to change it")
+    return Budget(colab)
 
 
 def triggers(options: RunOptions) -> SaveTriggers:

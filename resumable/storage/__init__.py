@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .base import RemoteFile, RemoteStore
-from .gdrive import DriveLocation, GDriveStore, is_drive_url
+from .gdrive import DriveLocation, GDriveStore, is_drive_url, misspelt_drive_url
 from .mounted import MountedDirStore, is_mounted_drive
 from .retry import RetryPolicy, StorageError, TransientStorageError
 from .upload import DEFAULT_CHUNK, check_chunk_size
@@ -36,7 +36,14 @@ class RunLocation:
 def open_run_location(run_dir: str, cache_dir: str | None = None, credentials: str | None = None,
                       timeout: float | None = None, policy: RetryPolicy | None = None) -> RunLocation:
     """Resolve ``--run-dir``: a plain path is used as is; a mounted Drive path or gdrive:// URL gets a
-    local cache (``--cache-dir``/<hash of the run dir>) and a remote store."""
+    local cache (``--cache-dir``/<hash of the run dir>) and a remote store. A misspelt Drive URL (``gdrive:/x``) is
+    refused here, before anything is created, with its right spelling: every run dir (resumable-train, Run,
+    inspect, verify, chaos, the Trainer callback's ``drive=``) is resolved through this function."""
+    right = misspelt_drive_url(run_dir)
+    if right is not None:
+        raise ValueError(f"run dir {run_dir!r} looks like a Google Drive URL: write {right} (gdrive://root/<path> "
+                         f"in My Drive, gdrive://<folder-id>/<path> in a shared folder); for a local folder of that "
+                         f"name write ./{run_dir}")
     remote: RemoteStore | None = None
     # pydrive2 has no HTTP timeout by default: a stalled connection would hang training's exit forever.
     timeout = timeout or float(os.environ.get("RESUMABLE_DRIVE_TIMEOUT", "60"))

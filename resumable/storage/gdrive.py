@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,30 @@ class DriveLocation:
 
 def is_drive_url(run_dir: str) -> bool:
     return str(run_dir).startswith(SCHEME)
+
+
+# A Drive URL typed a little wrong is still a legal local path ("gdrive:/x" is the folder x in a folder named
+# "gdrive:"), so it used to train into that local folder and never reach Drive. These near misses are refused:
+# one slash or none after the colon (gdrive:/x, gdrive:x), the scheme in capitals (GDrive://x), the colon left out
+# (gdrive//x) and other names for Drive (drive://x, googledrive://x, google-drive:x). A plain relative folder
+# (gdrive/x, drive/x) is not one, nor is anything written as a path (./gdrive:/x). gdrive:///x is a Drive URL
+# already (empty names are skipped: folder id x).
+_NEAR_MISS = re.compile(r"(?:g?drive|google[-_]?drive)(?::/*|//+)(?P<rest>.*)", re.IGNORECASE | re.DOTALL)
+
+
+def misspelt_drive_url(run_dir: str) -> str | None:
+    """The gdrive:// URL that ``run_dir`` misspells (see ``_NEAR_MISS``), or None.
+
+    >>> misspelt_drive_url("gdrive:/root/runs/x")
+    'gdrive://root/runs/x'
+    >>> misspelt_drive_url("gdrive/x") is None
+    True
+    """
+    text = str(run_dir)
+    match = None if is_drive_url(text) else _NEAR_MISS.fullmatch(text.strip())
+    if match is None:
+        return None
+    return SCHEME + (match["rest"].lstrip("/") or "root/<folder>")
 
 
 def _http_status(error: BaseException) -> tuple[int | None, str]:

@@ -65,7 +65,11 @@ class MnistTask:
         else:
             loss.backward()
             self.optimizer.step()
-        if self.cfg.lr_schedule == "onecycle":
+        if self.cfg.lr_schedule == "onecycle" and self.scheduler.last_epoch + 1 < self.scheduler.total_steps:
+            # OneCycleLR gives optimizer step k (0-based) the lr at position k of total_steps (this run's steps on
+            # each rank), so the last step trains at the schedule's end. One step() more goes past the end, where
+            # the curve rises again: the lr logged and checkpointed after the last step was 4.9e-6 instead of 4e-9
+            # (2 ranks, mini-MNIST). So the schedule stays at its end.
             self.scheduler.step()
         return loss
 
