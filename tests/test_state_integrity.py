@@ -219,3 +219,58 @@ def test_with_keep_2_or_more_no_single_damaged_file_invalidates_every_kept_check
         path.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # in place: every link of it sees the flip
         assert manager.latest_valid()[0] is not None, f"one damaged file ({path.name}) invalidated them all"
         path.write_bytes(original)
+
+
+class _FakeCudart:
+    """CUDA's runtime as the staging buffer calls it, recording what it is asked to page-lock."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.calls: list[tuple] = []
+        self.refuse = refuse
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 - CUDA's name
+        self.calls.append(("register", ptr, size, flags))
+        return 1 if self.refuse else 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+def test_pinned_staging_page_locks_exactly_its_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Item 5. Before: torch.empty(pin_memory=True), whose allocator rounds a block up to a power of two (a 4.2 GB
+    # state locked 8.6 GB). Now ordinary memory of exactly the budgeted size is registered with CUDA. (On a GPU,
+    # scripts/gpu_check.sh measures the memory; here CUDA's runtime is a fake that records the calls.)
+    from resumable.checkpoint.staging import Staging, aligned
+
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    state = 4_200_003  # not a power of two
+    staging = Staging(10_000_000)
+    staging.prepare(state, pinned=True)
+    first = staging.view(0, 1).data_ptr()
+    assert staging.locked and staging.allocated == aligned(state) < 2 ** 22 + 2 ** 21
+    assert cudart.calls == [("register", first, aligned(state), 1)]
+    staging.prepare(state, pinned=True)  # reused: nothing registered again
+    assert len(cudart.calls) == 1
+    staging.prepare(6_000_000, pinned=True)  # grows: the old buffer is unregistered before the new one is made
+    assert cudart.calls[1] == ("unregister", first)
+    assert cudart.calls[2][0] == "register" and cudart.calls[2][2] == aligned(6_000_000)
+    staging.free()
+    assert cudart.calls[3][0] == "unregister" and not staging.locked and staging.allocated == 0
+
+
+def test_staging_that_cuda_will_not_lock_stays_pageable_within_its_budget(monkeypatch: pytest.MonkeyPatch,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from resumable.checkpoint import staging as module
+    from resumable.checkpoint.staging import Staging, aligned
+
+    monkeypatch.setattr(module, "_told", [])  # the warning is said once per process
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _FakeCudart(refuse=True))
+    staging = Staging(10_000_000)
+    staging.prepare(3_000_000, pinned=True)
+    assert not staging.locked and staging.allocated == aligned(3_000_000)
+    assert "could not page-lock" in capsys.readouterr().err
+    staging.free()
