@@ -120,6 +120,7 @@ def test_two_sigkills_one_wandb_run_with_the_records_of_metrics_jsonl(tiny_mnist
         kills.append(_max_logged_step(run_dir))
     final = run(["--run-dir", str(run_dir), "--data-dir", str(tiny_mnist), *ARGS], **extra)
     assert final.returncode == 0, final.stderr
+    assert "trains them to other values" not in final.stderr, "exact resumes train W&B's steps to its values"
     print(f"killed after steps {kills}; final session: {final.stderr[-600:]}")
 
     files = _offline_files(tmp_path)
@@ -150,6 +151,7 @@ def test_steps_w_and_b_already_has_are_not_sent_again(tiny_mnist: Path, tmp_path
     assert second.returncode == 0, second.stderr
     message = "W&B already has steps up to 10; records up to 10 are not sent again"
     assert second.stderr.count(message) == 1, second.stderr
+    assert "trains them to other values" not in second.stderr, "an exact resume trains 9 and 10 to W&B's values"
     files = _offline_files(tmp_path)
     assert [[r["_step"] for r in history(p)] for p in files] == [list(range(1, 11)), list(range(11, 17))]
     _assert_wandb_equals_metrics(run_dir, _rows(files))
@@ -177,7 +179,7 @@ def test_wandb_not_installed_exits_2_with_the_fix(tiny_mnist: Path, tmp_path: Pa
     assert not _has_checkpoint(run_dir), "nothing trained"
 
 
-def _api_run(run_dir: Path, **options):
+def _api_run(run_dir: Path, loss_scale: float = 1.0, **options):
     from resumable import Run
 
     torch.manual_seed(0)
@@ -186,7 +188,7 @@ def _api_run(run_dir: Path, **options):
     run = Run(run_dir, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data,
               batch_size=8, progress=False, log_every=1, checkpoint_steps=2, **options)
     for _epoch, _step, (x, y) in run:
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss = torch.nn.functional.cross_entropy(model(x), y) * loss_scale
         run.optimizer.zero_grad()
         loss.backward()
         run.optimizer.step()
@@ -205,6 +207,81 @@ def test_api_tracker_wandb_continues_one_run(tmp_path: Path, monkeypatch: pytest
     assert len(files) == 2 and len({p.name for p in files} | {f"run-{i}.wandb" for i in _manifest_ids(run_dir)}) == 1
     assert [[r["_step"] for r in history(p)] for p in files] == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
     _assert_wandb_equals_metrics(run_dir, _rows(files))
+
+
+def test_steps_w_and_b_has_are_skipped_only_when_trained_again_to_the_same_values(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """W&B has steps 1-10; the run resumes from step 6 (checkpoints 8 and 10 gone, as after a fallback) and trains
+    7-10 again. An exact resume reproduces W&B's values: nothing is said. A resume that does not (here the loop's
+    code changed: the loss is doubled) is said once, naming the steps W&B keeps from the earlier session."""
+    for key, value in {**_wandb_env(tmp_path), "WANDB_PROJECT": "resumable-test"}.items():
+        monkeypatch.setenv(key, value)
+    run_dir = tmp_path / "run"
+    manager = CheckpointManager(checkpoints_dir(run_dir))
+
+    def back_to_6() -> None:
+        wandb.teardown()  # wandb-core closes the session's file: the next session reads it whole
+        for step, path in manager.step_dirs():
+            if step > 6:
+                manager.delete(path)
+
+    differs = "already has steps 7 to 10, and this session trains them to other values (step 7: loss "
+    assert _api_run(run_dir, tracker="wandb", epochs=2).finished  # 5 steps an epoch
+    back_to_6()
+    assert _api_run(run_dir, tracker="wandb", epochs=2).finished
+    assert "other values" not in caplog.text, "the exact resume trained 7-10 to W&B's values"
+    back_to_6()
+    caplog.clear()
+    assert _api_run(run_dir, tracker="wandb", epochs=3, loss_scale=2.0).finished
+    assert caplog.text.count(differs) == 1, caplog.text
+    assert "W&B cannot take a step twice, so it keeps the earlier values of steps 7 to 10" in caplog.text
+    wandb.teardown()
+    files = _offline_files(tmp_path)
+    assert [[r["_step"] for r in history(p)] for p in files] == [list(range(1, 11)), [], list(range(11, 16))]
+    rows = _rows(files)
+    assert [r["_step"] for r in rows] == list(range(1, 16)), "steps are never sent twice"
+    after = {step: values for step, values in _by_step(read_records(run_dir / "metrics.jsonl")).items() if step > 10}
+    assert {r["_step"]: {k: v for k, v in r.items() if not k.startswith("_") and k not in TIMING_FIELDS}
+            for r in rows if r["_step"] > 10} == after, "the steps after W&B's last one are sent as usual"
+
+
+def test_online_the_steps_w_and_b_has_are_read_back_with_its_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Online, W&B's rows come from its public API (no network here: a stand-in); unreadable, that is said."""
+
+    class Online:  # a resumed online W&B run whose server has steps 1-3 from another history
+        id, starting_step, path = "online12", 4, "me/resumable-test/online12"
+        settings = type("Settings", (), {"mode": "online"})()
+
+        def __init__(self) -> None:
+            self.logged: list[int] = []
+
+        def log(self, row, step):  # noqa: ANN001
+            self.logged.append(step)
+
+    scans = []
+
+    class Api:
+        def run(self, path):  # noqa: ANN001
+            history = [{"_step": s, "_runtime": 1.0, "epoch": 1, "loss": 9.0} for s in (1, 2, 3)]
+            return type("Run", (), {"scan_history": lambda _, **kw: scans.append((path, kw)) or history})()
+
+    monkeypatch.setattr(wandb, "Api", Api)
+    run = Online()
+    _api_run(tmp_path / "run", tracker=run, epochs=1)
+    assert scans == [("me/resumable-test/online12", {"min_step": 1, "max_step": 4, "use_cache": False})]
+    assert sorted(set(run.logged)) == [4, 5], "steps 1-3 are W&B's already"
+    assert "already has steps 1 to 3, and this session trains them to other values (step 1: loss " in caplog.text
+
+    def offline_api():  # noqa: ANN202
+        raise wandb.errors.CommError("no network")
+
+    monkeypatch.setattr(wandb, "Api", offline_api)
+    caplog.clear()
+    run = Online()
+    _api_run(tmp_path / "run2", tracker=run, epochs=1)
+    assert sorted(set(run.logged)) == [4, 5]
+    assert "could not be read back to compare (CommError: no network)" in caplog.text
 
 
 def test_api_takes_a_wandb_run_object_and_records_its_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

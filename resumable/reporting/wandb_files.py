@@ -93,15 +93,20 @@ def offline_files(wandb_dir: Path, run_id: str, exclude: Path | None = None) -> 
     return found
 
 
-def last_offline_step(wandb_dir: Path, run_id: str, exclude: Path | None = None) -> int | None:
-    """The highest step the earlier offline sessions of ``run_id`` wrote, or None when they wrote none."""
-    last = None
+def offline_history(wandb_dir: Path, run_id: str, after: int,
+                    exclude: Path | None = None) -> tuple[int | None, dict[int, dict[str, Any]]]:
+    """What the earlier offline sessions of ``run_id`` wrote: the highest step (None when they wrote none), and the
+    rows of the steps after ``after`` (one row per step, as W&B merges them)."""
+    last, rows = None, {}
     for path in offline_files(wandb_dir, run_id, exclude):
         try:
             for row in history(path):
                 step = row.get("_step")
-                if isinstance(step, int) and not isinstance(step, bool) and (last is None or step > last):
-                    last = step
+                if not isinstance(step, int) or isinstance(step, bool):
+                    continue
+                last = step if last is None or step > last else last
+                if step > after:
+                    rows.setdefault(step, {}).update(row)
         except OSError:
             continue  # an unreadable file holds nothing we can count on
-    return last
+    return last, rows
