@@ -63,15 +63,17 @@ class Slow(TrainerCallback):
             time.sleep(120)
 
 
-def build(output_dir: str, max_steps: int, save_steps: int, limit: int | None, callbacks: list) -> Trainer:
+def build(output_dir: str, max_steps: int, save_steps: int, limit: int | None, callbacks: list,
+          eval_dataset: Dataset | None = None, **arguments) -> Trainer:  # noqa: ANN003
+    """``arguments``: more TrainingArguments (eval_strategy, save_strategy...)."""
     set_seed(0)
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32, bos_token_id=0,
                         eos_token_id=0)
     model = GPT2LMHeadModel(config)
     args = TrainingArguments(output_dir=output_dir, max_steps=max_steps, save_steps=save_steps, logging_steps=1,
                              per_device_train_batch_size=4, learning_rate=1e-3, seed=0, report_to=[], use_cpu=True,
-                             save_total_limit=limit, disable_tqdm=True, dataloader_num_workers=0)
-    return Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
+                             save_total_limit=limit, disable_tqdm=True, dataloader_num_workers=0, **arguments)
+    return Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=eval_dataset, callbacks=callbacks)
 
 
 def steps_log(trainer: Trainer) -> dict[str, dict[str, float]]:

@@ -144,6 +144,64 @@ def test_a_half_written_or_damaged_checkpoint_is_never_chosen(tmp_path: Path, ca
         latest_valid(out)
 
 
+# -- save_strategy="best": the Trainer decides to save after evaluating, after on_step_end -----------------
+def _best_trainer(output_dir: Path, max_steps: int, callbacks: list, greater: bool = False, limit: int | None = None):
+    """hf_train's tiny GPT-2, evaluated every 2 steps on 8 samples and saved when eval_loss is a new best
+    (``greater``: "best" is the highest loss, so only the first evaluation is a new best)."""
+    return hf_train.build(str(output_dir), max_steps, 2, limit, callbacks,
+                          torch.utils.data.Subset(hf_train.Tokens(), range(8)), save_strategy="best",
+                          eval_strategy="steps", eval_steps=2, metric_for_best_model="loss", greater_is_better=greater)
+
+
+class ManifestAtSave(TrainerCallback):
+    """At each on_save, before ResumableCallback commits: whether the folder just written has a manifest."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, bool]] = []
+
+    def on_save(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+        folder = Path(args.output_dir) / hf.folder_name(state.global_step)
+        self.seen.append((state.global_step, (folder / "manifest.json").exists()))
+
+
+def test_save_strategy_best_clears_the_old_manifest_before_each_save_and_commits_it(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    callback, spy = ResumableCallback(), ManifestAtSave()
+    trainer = _best_trainer(out, 8, [spy, callback], limit=2)
+    trainer.train()
+    evals = [(e["step"], e["eval_loss"]) for e in trainer.state.log_history if "eval_loss" in e]
+    assert [s for s, _ in evals] == [2, 4, 6, 8] and [v for _, v in evals] == sorted(v for _, v in evals)[::-1], \
+        f"each evaluation is a new best, so each one saves: {evals}"
+    assert spy.seen == [(2, False), (4, False), (6, False), (8, False)]
+    assert committed(out) == [6, 8], "every save committed, and save_total_limit=2 applied after each commit"
+    # Back to checkpoint-6 (the user's choice, or checkpoint-8 found damaged): the Trainer writes checkpoint-8 again.
+    # Its manifest, from the first session, must go before the Trainer replaces the files, as with save_steps.
+    again, spy = ResumableCallback(), ManifestAtSave()
+    _best_trainer(out, 8, [spy, again], limit=2).train(resume_from_checkpoint=str(out / "checkpoint-6"))
+    assert spy.seen == [(8, False)], "the old manifest of checkpoint-8 vouched for it while it was rewritten"
+    assert committed(out) == [6, 8] and again.exit_code == 0
+
+
+def test_save_strategy_best_saves_a_stop_on_an_evaluation_step_that_is_not_a_new_best(tmp_path: Path) -> None:
+    """SIGTERM at step 4, an evaluation step that is not a new best: the Trainer sets should_save to False after
+    evaluating, dropping the stop's save; the callback has the Trainer save at the epoch end that follows."""
+
+    class TermAt4(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+            if state.global_step == 4:
+                os.kill(os.getpid(), signal.SIGTERM)  # ResumableCallback's handler only sets its flag
+
+    out = tmp_path / "out"
+    callback = ResumableCallback()
+    trainer = _best_trainer(out, 12, [TermAt4(), callback], greater=True)
+    trainer.train()
+    assert trainer.state.global_step == 4 and callback.stopped_early == "signal SIGTERM"
+    assert trainer.state.best_global_step == 2, "step 4's evaluation was not a new best"
+    assert committed(out) == [2, 4], "the state at the stop is committed"
+    assert callback.exit_code == 75
+    assert latest_valid(out) == str(out / "checkpoint-4")
+
+
 # -- subprocesses: kills, signals, budget ----------------------------------------------------------------
 # Soak set: the kill during a save below also kills, resumes through latest_valid and compares with the
 # uninterrupted run; this one differs only in when the kill lands.

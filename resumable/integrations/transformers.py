@@ -19,6 +19,10 @@ What the callback adds to the Trainer's own checkpoints:
   ~12 h VM lifetime by default in Colab, or ``time_limit``) make the Trainer save and stop at the next step
   boundary; the checkpoint is committed and :attr:`ResumableCallback.exit_code` is 75. A second Ctrl-C stops at
   once (the last committed checkpoint stays valid).
+* **save_strategy="best".** The Trainer decides to save only after evaluating (a new best metric), after
+  ``on_step_end``: the callback makes the same decision in ``on_evaluate`` and clears the folder's old manifest
+  before the Trainer writes it, as for every other save. A stop that falls on an evaluation step without a new best
+  (the Trainer then drops the stop's save) is saved at the ``on_epoch_end`` that follows the stop.
 * **Drive.** With ``drive=`` (``gdrive://...`` or a mounted ``/content/drive/...`` folder) committed checkpoints are
   uploaded in the background (hf_drive.py), and on a fresh VM :meth:`ResumableCallback.latest_valid` first brings
   the newest durable one back.
@@ -135,6 +139,8 @@ class ResumableCallback(TrainerCallback):
         self._step_s = 0.0
         self._save_s: float | None = None
         self._save_began: float | None = None
+        self._saved_at: int | None = None  # the step of this train()'s last on_save
+        self._training = False  # between on_train_begin and on_train_end (on_evaluate also fires outside)
 
     # -- before train -----------------------------------------------------------------------------------
     def _drive_link(self, output_dir: str) -> DriveLink | None:
@@ -187,6 +193,7 @@ class ResumableCallback(TrainerCallback):
         self._stop = StopFlag().__enter__()
         self.stopped_early, self.exit_code = None, 0  # the same callback may serve another train() call
         self._step_at = time.monotonic()
+        self._saved_at, self._training = None, True
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
@@ -197,7 +204,7 @@ class ResumableCallback(TrainerCallback):
             if self._stop is not None and self._stop.requested:
                 reason = f"signal {self._stop.requested}"
             elif not self.budget.fits(self._step_s, self._save_s if self._save_s is not None else self._step_s,
-                                      saves=2 if control.should_save else 1):  # the Trainer saves at this step
+                                      saves=2 if _may_save(args, control) else 1):  # the Trainer saves here
                 reason = "the session's time budget is spent"
             if reason is not None:
                 self.stopped_early = reason
@@ -209,7 +216,20 @@ class ResumableCallback(TrainerCallback):
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
+        if self.stopped_early is not None and self._saved_at != state.global_step:
+            # save_strategy="best": the Trainer evaluated at the stop's step and, with no new best, replaced the
+            # stop's should_save by False. The Trainer always ends the epoch after a stop, and saves here when
+            # asked (it evaluates here only with eval_strategy="epoch", whose steps never evaluate, so the stop's
+            # save went through at its step and this is not reached).
+            control.should_save = True
         if control.should_save:
+            self._before_save(args, state)
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    metrics: dict[str, float] | None = None, **kwargs: Any) -> None:
+        # save_strategy="best": the Trainer sets should_save right after this event, when the metric is a new best
+        # (Trainer._determine_best_metric), and saves at once; no event comes between, so the decision is made here.
+        if self._training and _saves_on_best(args) and _new_best(args, state, metrics or {}):
             self._before_save(args, state)
 
     def _before_save(self, args: TrainingArguments, state: TrainerState) -> None:
@@ -223,7 +243,7 @@ class ResumableCallback(TrainerCallback):
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         _barrier()  # every rank has written its files (rng_state_K.pth) before rank 0 vouches for them
-        step = state.global_step
+        step = self._saved_at = state.global_step
         if state.is_world_process_zero:
             began = time.monotonic()
             folder = Path(args.output_dir) / hf.folder_name(step)
@@ -249,6 +269,7 @@ class ResumableCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
+        self._training = False
         if self._stop is not None:
             self._stop.__exit__(None, None, None)
             self._stop = None
@@ -269,6 +290,31 @@ def load_finished(trainer: Any, checkpoint: str) -> None:
     else:
         load(checkpoint)
     trainer.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+
+
+def _saves_on_best(args: TrainingArguments) -> bool:
+    return args.save_strategy == "best"  # SaveStrategy is a str enum; older transformers have no "best"
+
+
+def _may_save(args: TrainingArguments, control: TrainerControl) -> bool:
+    """Whether the Trainer may save at this step: asked to, or it evaluates under save_strategy="best"."""
+    return control.should_save or (_saves_on_best(args) and control.should_evaluate)
+
+
+def _new_best(args: TrainingArguments, state: TrainerState, metrics: dict[str, float]) -> bool:
+    """Trainer._determine_best_metric's decision, before it is made: ``metric_for_best_model`` (``eval_``
+    prefixed) strictly better than ``state.best_metric`` (none yet: any number but NaN)."""
+    name = args.metric_for_best_model
+    if not name:
+        return False
+    try:
+        value = float(metrics[name if name.startswith("eval_") else f"eval_{name}"])
+    except (KeyError, TypeError, ValueError):
+        return False  # not in this evaluation's metrics (another eval dataset of several): no save from this one
+    best = state.best_metric
+    if args.greater_is_better:
+        return value > (best if best is not None else float("-inf"))
+    return value < (best if best is not None else float("inf"))
 
 
 def _run_id_of_newest(output_dir: str) -> str | None:
