@@ -111,7 +111,8 @@ class Checkpointer:
         """What differs per rank: RNG streams, counters, and the record of the data this rank reads next
         (engine/datacheck.py: compared with the first batch after a resume)."""
         return {"rng": capture_rng() if rng is None else rng, "counters": self.state.rank_dict(),
-                _DATA_NEXT: datacheck.upcoming(self.objects.get("sampler"), self.state.epoch, self.state.batch_in_epoch)}
+                _DATA_NEXT: datacheck.upcoming(self.objects.get("sampler"), self.state.epoch,
+                                               self.state.batch_in_epoch)}
 
     def _modes(self) -> list[bool]:
         return [m.training for m in self.modules.modules()] if isinstance(self.modules, torch.nn.Module) else []

@@ -380,7 +380,8 @@ class Run:
                          f"{self.state.batch_in_epoch}), saved {describe_age(info.created)}; loaded in "
                          f"{cost.seconds if cost is not None else 0:.2f}s{memory}")
                 ahead = self._checkpointer.data_next
-                first = f"; the first batch is compared with the checkpoint's record of its {ahead['of']}" if ahead else ""
+                first = (f"; the first batch is compared with the checkpoint's record of its {ahead['of']}"
+                         if ahead else "")
                 log.info(f"resume verified {self._checkpointer.verified}{first}")
         failed = self.dist.all_errors(None if error is None else str(error) if isinstance(error, ResumableError)
                                       else f"{type(error).__name__}: {error}")
