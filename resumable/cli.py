@@ -93,7 +93,21 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Program(click.Command):
+    """A command that ends with :func:`_exit_now` when it is run as a program (called, as its console script and
+    ``resumable chaos``'s fork server do); ``CliRunner`` and other in-process callers use ``main`` and get the
+    usual ``SystemExit``."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.main(*args, **kwargs)
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                _exit_now(e.code or 0)
+            raise
+
+
+@click.command(cls=_Program, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--run-dir", default=TrainConfig.run_dir, show_default=True,
               help="Where checkpoints and metrics.jsonl live: a path (local or a mounted Drive folder) or "
               "gdrive://<folder-id or root>/<path>. Re-running with the same --run-dir resumes.")
@@ -254,7 +268,7 @@ def _echo_err(message: str) -> None:
 
 def _exit(code: int) -> None:
     """Exit with ``code`` even when stderr's reader is gone: Python would otherwise fail flushing it at shutdown
-    and exit 120 with a BrokenPipeError."""
+    and exit 120 with a BrokenPipeError. Fast when nothing is left running (see :func:`_exit_now`)."""
     try:
         sys.stderr.flush()
     except OSError:
@@ -263,6 +277,28 @@ def _exit(code: int) -> None:
         except (OSError, ValueError):
             pass
     sys.exit(code)
+
+
+def _exit_now(code: int) -> None:
+    """End the process at once when the work is over: the exit handlers run (``atexit``: the Run's own, W&B's,
+    logging's), then the interpreter's teardown is skipped. Tearing down torch's modules and static objects took
+    ~0.9 s of every resumable-train process (the run was complete, every file closed and fsynced). Not taken while
+    another thread or a child process is alive: then Python's own exit joins them as usual."""
+    import atexit
+    import multiprocessing
+    import threading
+
+    if any(t is not threading.main_thread() and t.is_alive() and not t.daemon for t in threading.enumerate()):
+        return
+    if multiprocessing.active_children():
+        return
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 class _LazyGroup(click.Group):

@@ -111,6 +111,8 @@ class FirstBatchCheck:
         return (f"resume verification failed: the data ({self.source}) produced another batch at epoch {epoch}, "
                 f"batch {batch} than the uninterrupted run would have (its {record['of']} differ from the "
                 f"checkpoint's record of them): the data source did not resume at its saved position (a state_dict() "
-                f"that leaves out a shuffle buffer or anything refilled on load, or data that changed). Training on "
-                f"would lose and repeat samples. Give it a state_dict()/load_state_dict() that restores the exact "
-                f"position, or remove them so that it is resumed by replay; nothing was trained or changed on disk")
+                f"that leaves out a shuffle buffer or anything refilled on load, data that changed, or randomness "
+                f"from a generator of its own instead of torch/random/numpy's global ones, which resumable seeds per "
+                f"batch). Training on would lose and repeat samples. Give it a state_dict()/load_state_dict() that "
+                f"restores the exact position, or remove them so that it is resumed by replay; nothing was trained "
+                f"or changed on disk")
