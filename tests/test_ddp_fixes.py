@@ -338,6 +338,10 @@ def test_a_rank_that_cannot_read_the_checkpoint_fails_every_rank_at_once(tiny_mn
 
 
 # -- (7) a stop on purpose under torchrun ----------------------------------------------------------------------
+# In the soak set (about 30 s): the planned-stop marker that keeps torchrun from restarting the group is covered by
+# test_plain_torchrun_ends_the_group_with_exit_0_on_a_planned_stop and test_a_group_restarted_after_a_planned_stop_
+# exits_at_once, and `resumable torchrun`'s exit 75 for it by test_sigterm_to_the_launcher_stops_the_workers_....
+@pytest.mark.soak
 def test_resumable_torchrun_exits_75_on_a_time_limit_without_a_restart_and_continues(mnist_dir: Path,
                                                                                      tmp_path: Path) -> None:
     # Before, the workers exited 75, torchrun --max-restarts counted that as a failure, restarted the group

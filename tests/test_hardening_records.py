@@ -184,6 +184,9 @@ def test_malformed_manifest_falls_back_with_its_reason(tmp_path: Path, change, e
     assert skipped[0].manifest is None
 
 
+# In the soak set (about 17 s): test_malformed_manifest_falls_back_with_its_reason checks each malformed manifest's
+# fall-back and reason in-process; this one runs five of them through resumable-train.
+@pytest.mark.soak
 def test_malformed_manifest_through_resumable_train(tiny_mnist: Path, base_run: Path, tmp_path: Path) -> None:
     cases = ["num-threads-string", "file-entry-null", "world-size-zero", "deep-nesting", "file-absolute-name"]
 
@@ -389,6 +392,9 @@ def _unfinished_payload(step_dir: Path) -> bool:
     return step_dir.is_dir() and (step_dir / META).exists() and not (step_dir / fmt.MANIFEST).exists()
 
 
+# In the soak set (about 14 s): test_kill_sharded.py's kill inside a multi-shard write and test_kill.py's kill in a
+# save check that such a save never counts; verify's judgement of damaged checkpoints is test_verify_judges_....
+@pytest.mark.soak
 def test_verify_after_a_kill_in_the_middle_of_a_save(tiny_mnist: Path, base_run: Path, tmp_path: Path) -> None:
     run_dir = _copy(base_run, tmp_path)
     proc = subprocess.Popen(command() + _args(run_dir, tiny_mnist, "--max-steps", "8"), stdout=subprocess.DEVNULL,
