@@ -295,7 +295,10 @@ def _bounded(args: list[str], name: str = "resumable") -> subprocess.CompletedPr
         return None
 
 
-@pytest.mark.parametrize("how", ["dev-zero", "etc-hostname", "fifo", "memo-bomb"])
+# dev-zero and etc-hostname run in the soak set (about 8 s each): fifo takes the same regular-files-only open as
+# dev-zero, and the paths a manifest may name are checked in-process (test_hardening_paths' manifest tests).
+@pytest.mark.parametrize("how", [pytest.param("dev-zero", marks=pytest.mark.soak),
+                                 pytest.param("etc-hostname", marks=pytest.mark.soak), "fifo", "memo-bomb"])
 def test_hostile_checkpoint_ends_quickly_and_falls_back(how: str, trained: Path, tiny_mnist: Path,
                                                         tmp_path: Path) -> None:
     run_dir, out = tmp_path / "run", tmp_path / "model.pt"

@@ -253,6 +253,9 @@ def test_sigterm_saves_commits_and_exits_75(reference: dict, tmp_path: Path) -> 
     assert_same_as(reference, tmp_path / "result.json")
 
 
+# In the soak set (about 14 s): the budget's decision is test_preemption.py's Budget, and the save-and-stop it
+# triggers in the Trainer is test_sigterm_saves_commits_and_exits_75's path.
+@pytest.mark.soak
 def test_the_time_budget_stops_with_75_and_a_committed_checkpoint(reference: dict, tmp_path: Path) -> None:
     out = tmp_path / "out"
     # 40 steps of at least 0.1 s each cannot fit in 1 s: the budget stops it

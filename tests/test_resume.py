@@ -190,9 +190,9 @@ def test_malicious_newest_payload_is_refused_and_skipped(tiny_mnist: Path, tmp_p
 @pytest.mark.parametrize("amp", ["fp16", "bf16"])
 def test_amp_resume_is_bit_identical_and_saves_the_scaler(tiny_mnist: Path, tmp_path: Path, amp: str) -> None:
     """The CPU side of the AMP path (scripts/gpu_check.sh runs it on CUDA)."""
-    train(tmp_path / "straight", tiny_mnist, "--max-steps", "10", "--amp", amp)
-    train(tmp_path / "resumed", tiny_mnist, "--max-steps", "4", "--amp", amp)
-    train(tmp_path / "resumed", tiny_mnist, "--max-steps", "10")  # --amp inherited from the checkpoint
+    train(tmp_path / "straight", tiny_mnist, "--max-steps", "6", "--amp", amp)  # fp16 on a CPU is slow: few steps
+    train(tmp_path / "resumed", tiny_mnist, "--max-steps", "3", "--amp", amp)
+    train(tmp_path / "resumed", tiny_mnist, "--max-steps", "6")  # --amp inherited from the checkpoint
     assert final_fingerprint(tmp_path / "straight") == final_fingerprint(tmp_path / "resumed")
     assert records(tmp_path / "straight") == records(tmp_path / "resumed")
     manager = CheckpointManager(checkpoints_dir(tmp_path / "resumed"))
