@@ -288,16 +288,14 @@ def _exit_now(code: int) -> None:
     import multiprocessing
     import threading
 
+    from . import log
+
     if any(t is not threading.main_thread() and t.is_alive() and not t.daemon for t in threading.enumerate()):
         return
     if multiprocessing.active_children():
         return
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    log.flush_outputs()
     os._exit(code)
 
 

@@ -112,3 +112,11 @@ def quiet(on: bool) -> Iterator[None]:
 
 
 _install()
+
+
+def flush_outputs() -> None:
+    """Flush stdout and stderr before the process ends at once (``os._exit`` skips Python's own flush); a reader
+    that is gone (a closed pipe) changes nothing."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()

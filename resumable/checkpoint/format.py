@@ -146,18 +146,10 @@ _PLAIN = (str, int, float, bool, type(None), torch.Tensor, torch.dtype, torch.de
 
 def _unsafe_leaf(obj: Any, path: tuple[Any, ...] = ()) -> tuple[str, str, str] | None:
     """(object name, path, type) of the first leaf a weights_only load does not take, as a guess for the message."""
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            found = _unsafe_leaf(value, (*path, key))
-            if found is not None:
-                return found
-        return None
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        for index, value in enumerate(obj):
-            found = _unsafe_leaf(value, (*path, index))
-            if found is not None:
-                return found
-        return None
+    if isinstance(obj, dict) or type(obj) in (list, tuple):
+        children = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        return next((found for key, value in children if (found := _unsafe_leaf(value, (*path, key))) is not None),
+                    None)
     if isinstance(obj, _PLAIN) and type(obj).__module__ in ("builtins", "torch"):
         return None
     names = [p for p in path if p not in ("tree",)]

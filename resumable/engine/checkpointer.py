@@ -270,32 +270,27 @@ class Checkpointer:
         self.writer.wait()
 
     # -- restoring ---------------------------------------------------------------------------------
-    def _my_rank_state(self, payload: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """This rank's (RNG states, per-rank counters) from ``payload``.
+    def _my_rank_state(self, payload: dict[str, Any]
+                       ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
+        """This rank's (RNG states, per-rank counters, record of its next batch) from ``payload``.
 
         When the world size changed, rank 0 takes every saved rank's counters summed (so the epoch's loss
-        over all ranks stays right) and the other ranks start theirs from zero; RNG streams are rank 0's."""
+        over all ranks stays right) and the other ranks start theirs from zero; RNG streams are rank 0's, and no
+        rank's next batch is known (the batches are split differently)."""
         world, rank = self.dist.world_size, self.dist.rank
         ranks = payload.get(_RANKS)
         if isinstance(ranks, list) and ranks:
             if len(ranks) == world:
-                return ranks[rank]["rng"], ranks[rank]["counters"]
+                mine = ranks[rank]
+                record = mine.get(_DATA_NEXT)  # absent in checkpoints before the content check
+                return mine["rng"], mine["counters"], (record if datacheck.valid_record(record) else None)
             counters = {name: (sum(r["counters"][name] for r in ranks) if rank == 0 else 0 * ranks[0]["counters"][name])
                         for name in TrainState.per_rank_fields()}
-            return ranks[0]["rng"], counters
+            return ranks[0]["rng"], counters, None
         old = payload.get(_OLD_RNG_RANKS)
         if isinstance(old, list) and len(old) == world:
-            return old[rank], None
-        return payload[_RNG], None
-
-    def _my_data_next(self, payload: dict[str, Any]) -> dict[str, Any] | None:
-        """This rank's record of its next batch (None: not recorded, or saved at another world size)."""
-        ranks = payload.get(_RANKS)
-        if not isinstance(ranks, list) or len(ranks) != self.dist.world_size:
-            return None
-        mine = ranks[self.dist.rank]
-        record = mine.get(_DATA_NEXT) if isinstance(mine, dict) else None
-        return record if datacheck.valid_record(record) else None
+            return old[rank], None, None
+        return payload[_RNG], None, None
 
     def restore(self, info: CheckpointInfo) -> None:
         """Load ``info`` into every object. Raises InvalidCheckpoint before touching anything if the
@@ -320,8 +315,7 @@ class Checkpointer:
         if found != info.fingerprint:
             raise InvalidCheckpoint("payload does not match the manifest's training-state fingerprint")
         _check_position(payload[_TRAIN_STATE], info.manifest)
-        rng, counters = self._my_rank_state(payload)
-        self.data_next = self._my_data_next(payload)
+        rng, counters, self.data_next = self._my_rank_state(payload)
         self.frozen.restore_trainable(trainable, info.step)  # trainable flags are state (gradual unfreezing)
         built = self.frozen.built(payload["model"] if isinstance(payload["model"], dict) else ())
         fresh = {name for name in self.fresh if payload.get(name) is None}

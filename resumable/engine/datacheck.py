@@ -4,7 +4,7 @@ A data position restored from a checkpoint proves only that the position was res
 source honours it: a Hugging Face stream's ``state_dict()`` leaves its shuffle buffer out (the buffer is refilled
 on load, so samples are lost and repeated), and any ``load_state_dict`` may resume somewhere else. So at every
 save each rank records a digest of what its data will produce next (:func:`upcoming`), and after a resume the
-first batch the data actually produces is digested and compared (:class:`FirstBatchCheck`): a mismatch stops
+first batch the data actually produces is digested and compared (:func:`first_batch_problem`): a mismatch stops
 the run with :class:`~resumable.errors.ResumeNotApplied` naming the data source, before that batch is trained.
 
 What is digested: for map-style data the next batch's sample indices (the order is a pure function of the seed
@@ -95,24 +95,16 @@ def valid_record(record: Any) -> bool:
             and isinstance(record.get("digest"), str) and isinstance(record.get("of"), str))
 
 
-class FirstBatchCheck:
-    """Compares the first batch a resumed session's data produces with the checkpoint's record of it."""
-
-    def __init__(self, record: dict[str, Any], source: str) -> None:
-        self.record = record
-        self.source = source  # the data source, named in the error
-
-    def problem(self, epoch: int, batch: int, item: Any) -> str | None:
-        """Why the batch at (epoch, batch) is not the one the checkpoint recorded (None: it is, or it is not the
-        recorded position, e.g. a world size that changed)."""
-        record = self.record
-        if (epoch, batch) != (record["epoch"], record["batch"]) or digest(item) == record["digest"]:
-            return None
-        return (f"resume verification failed: the data ({self.source}) produced another batch at epoch {epoch}, "
-                f"batch {batch} than the uninterrupted run would have (its {record['of']} differ from the "
-                f"checkpoint's record of them): the data source did not resume at its saved position (a state_dict() "
-                f"that leaves out a shuffle buffer or anything refilled on load, data that changed, or randomness "
-                f"from a generator of its own instead of torch/random/numpy's global ones, which resumable seeds per "
-                f"batch). Training on would lose and repeat samples. Give it a state_dict()/load_state_dict() that "
-                f"restores the exact position, or remove them so that it is resumed by replay; nothing was trained "
-                f"or changed on disk")
+def first_batch_problem(record: dict[str, Any], source: str, epoch: int, batch: int, item: Any) -> str | None:
+    """Why the batch the data produced at (epoch, batch) after a resume is not the one ``record`` says it would be
+    (None: it is, or (epoch, batch) is not the recorded position); ``source`` names the data in the message."""
+    if (epoch, batch) != (record["epoch"], record["batch"]) or digest(item) == record["digest"]:
+        return None
+    return (f"resume verification failed: the data ({source}) produced another batch at epoch {epoch}, "
+            f"batch {batch} than the uninterrupted run would have (its {record['of']} differ from the "
+            f"checkpoint's record of them): the data source did not resume at its saved position (a state_dict() "
+            f"that leaves out a shuffle buffer or anything refilled on load, data that changed, or randomness "
+            f"from a generator of its own instead of torch/random/numpy's global ones, which resumable seeds per "
+            f"batch). Training on would lose and repeat samples. Give it a state_dict()/load_state_dict() that "
+            f"restores the exact position, or remove them so that it is resumed by replay; nothing was trained "
+            f"or changed on disk")

@@ -187,10 +187,7 @@ class FrozenTensors:
         if saved is None or self.model is None:
             return None
         now = self.trainable()
-        gained, lost = sorted(set(now) - set(saved)), sorted(set(saved) - set(now))
-        parts = ([f"now trainable: {', '.join(gained[:3])}{' ...' if len(gained) > 3 else ''}"] if gained else []) + \
-                ([f"now frozen: {', '.join(lost[:3])}{' ...' if len(lost) > 3 else ''}"] if lost else [])
-        return "; ".join(parts) or None
+        return _flags_change(sorted(set(now) - set(saved)), sorted(set(saved) - set(now)), "now ") or None
 
     def restore_trainable(self, saved: list[str] | None, step: int) -> None:
         """Set every parameter's ``requires_grad`` as it was when the checkpoint was written: which parameters train
@@ -205,9 +202,14 @@ class FrozenTensors:
             return
         for name, parameter in self.model.named_parameters(remove_duplicate=False):
             parameter.requires_grad_(name in wanted)
-        gained = [name for name in changed if name in wanted]
-        lost = [name for name in changed if name not in wanted]
-        parts = ([f"trainable: {', '.join(gained[:3])}{' ...' if len(gained) > 3 else ''}"] if gained else []) + \
-                ([f"frozen: {', '.join(lost[:3])}{' ...' if len(lost) > 3 else ''}"] if lost else [])
-        log.info(f"requires_grad set as at step {step} ({'; '.join(parts)}): which parameters train is part of the "
-                 f"checkpoint")
+        change = _flags_change([n for n in changed if n in wanted], [n for n in changed if n not in wanted])
+        log.info(f"requires_grad set as at step {step} ({change}): which parameters train is part of the checkpoint")
+
+
+def _flags_change(gained: list[str], lost: list[str], prefix: str = "") -> str:
+    """``trainable: a, b; frozen: c`` (three names of each at most), for the messages about requires_grad."""
+    parts = []
+    for label, found in (("trainable", gained), ("frozen", lost)):
+        if found:
+            parts.append(f"{prefix}{label}: {', '.join(found[:3])}{' ...' if len(found) > 3 else ''}")
+    return "; ".join(parts)

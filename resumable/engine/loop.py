@@ -18,7 +18,7 @@ from ..config import format_duration
 from ..errors import ResumeNotApplied, SaveFailed, SaveStuck, StateNotLoadable
 from ..reporting.reporters import Reporter
 from .checkpointer import Checkpointer
-from .datacheck import FirstBatchCheck, source_name
+from .datacheck import first_batch_problem, source_name
 from .distributed import Distributed, Pending
 from .preemption import Budget, StopFlag
 from .sampler import ResumableSampler
@@ -384,9 +384,8 @@ class Loop:
         """The data produced what the checkpoint recorded it would (engine/datacheck.py); else ResumeNotApplied,
         before anything is trained. Each rank checks its own data (under torchrun the launcher ends the others when
         one fails: no collective here, as a rank without a record would not join it)."""
-        check = FirstBatchCheck(self.session.data_next, source_name(self.sampler))
-        self.session.data_next = None
-        problem = check.problem(epoch, index, item)
+        record, self.session.data_next = self.session.data_next, None
+        problem = first_batch_problem(record, source_name(self.sampler), epoch, index, item)
         if problem is not None:
             raise ResumeNotApplied(problem)
 

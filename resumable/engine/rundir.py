@@ -121,8 +121,8 @@ class RunDir:
     def lost(self) -> str | None:
         """Why this process no longer owns the run dir (its lock or lease was taken over, or the run dir was deleted
         under it), if so."""
-        if self.lock is not None and self.lock.gone() is not None:
-            return self.lock.lost
+        if self.lock is not None:
+            self.lock.gone()  # a deleted run dir sets its lost (one stat a second at most)
         for owner in (self.lock, self.lease):
             if owner is not None and owner.lost:
                 return owner.lost

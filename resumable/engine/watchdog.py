@@ -282,9 +282,7 @@ class HangExit:
             return
         log.error(f"{described}: the process looks hung; {where}. Exiting with code {EXIT_HANG} so that a supervisor "
                   f"restarts it: the newest committed checkpoint is intact", all_ranks=True)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        log.flush_outputs()
         self.exit(EXIT_HANG)
 
 

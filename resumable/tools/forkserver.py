@@ -143,11 +143,9 @@ def _child(sock: socket.socket, request: dict, err_fd: int, program: str, functi
     except BaseException:  # noqa: BLE001 - the child must never return into the server's loop
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        from .. import log  # imported already: the server imported resumable before forking
+
+        log.flush_outputs()
         os._exit(code)
 
 
