@@ -105,9 +105,9 @@ def rewrite_payload(step_dir: Path, change) -> dict[str, Any]:  # noqa: ANN001 -
     (files, fingerprint and seal of the manifest), so only its content is wrong, not its integrity. Returns
     the new state."""
     from resumable.checkpoint import format as fmt
+    from resumable.checkpoint.manager import read_any
     from resumable.checkpoint.manifest import seal
     from resumable.checkpoint.sharded import ShardedFormat
-    from resumable.checkpoint.state_format import read_any
 
     step_dir = Path(step_dir)
     manifest = json.loads((step_dir / fmt.MANIFEST).read_text())

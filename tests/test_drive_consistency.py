@@ -15,6 +15,7 @@ from fakedrive import FakeDrive, make_drive
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir, fingerprint
 from resumable.checkpoint import format as fmt
+from resumable.checkpoint import manifest as manifests
 from resumable.cli import main
 from resumable.errors import RunDirInUse
 from resumable.storage.durable import remote_manifest
@@ -73,7 +74,7 @@ def mirrored_run(fake: FakeDrive, root: Path, steps: list[int], path: str = "run
 # -- 1: every page of a listing ---------------------------------------------------------------------------
 def test_listings_follow_every_page(fake: FakeDrive, tmp_path: Path) -> None:
     manager = mirrored_run(fake, tmp_path / "run", [1, 2, 3])
-    step_files = set(fmt.read_manifest(manager.root / "step-000000003")["files"]) | {fmt.MANIFEST}
+    step_files = set(manifests.read(manager.root / "step-000000003").body["files"]) | {fmt.MANIFEST}
     s = store(fake)
     (tmp_path / "s.jsonl").write_text('{"session": 1}\n')
     s.put_file("", "sessions.jsonl", tmp_path / "s.jsonl")
@@ -217,7 +218,7 @@ def _without_md5(fake: FakeDrive, manager: CheckpointManager, step: int) -> None
 
 def _corrupt(fake: FakeDrive, manager: CheckpointManager, step: int) -> str:
     """Flip one byte of step's largest payload file on Drive (same size: a size check cannot see it)."""
-    files = fmt.read_manifest(manager.root / fmt.step_dir_name(step))["files"]
+    files = manifests.read(manager.root / fmt.step_dir_name(step)).body["files"]
     name = max(files, key=lambda n: files[n]["size"])
     with fake.lock:
         f = next(f for f in fake.files.values() if f.title == name

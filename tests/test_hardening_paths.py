@@ -98,7 +98,7 @@ def test_path_policy_manifest_names(tmp_path: Path) -> None:
         assert not info.valid and name in str(info.reason), (name, info.reason)
     latest, skipped = manager.latest_valid()
     assert latest is not None and latest.step == 1 and [i.step for i in skipped] == [3, 2]
-    # verify_files itself refuses them too, for a manifest that did not come through read_manifest (Drive)
+    # verify_files itself refuses them too, for a manifest that did not come through manifest.read (Drive)
     for name in (*hostile.values(), "", ".", "a/b", "a\0b"):
         with pytest.raises(InvalidCheckpoint):
             fmt.verify_files(_step(run_dir, 1), {"files": {name: entry}})

@@ -13,9 +13,9 @@ from safetensors import safe_open
 
 from resumable.checkpoint import CheckpointManager, digests
 from resumable.checkpoint import format as fmt
-from resumable.checkpoint.sharded import META, Previous, ShardedFormat, shard_name
+from resumable.checkpoint.sharded import META, ShardedFormat, shard_name
 from resumable.checkpoint.staging import Staging
-from resumable.checkpoint.state_format import TorchFile
+from resumable.checkpoint.state_format import Previous, TorchFile
 from resumable.config import parse_size
 
 

@@ -190,14 +190,6 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_manifest(directory: Path) -> dict[str, Any]:
-    """Parse and validate a manifest (types, ranges, self-checksum: see manifest.py); returns its JSON object.
-    Raises InvalidCheckpoint naming the problem."""
-    from .manifest import read  # manifest.py builds on this module's names
-
-    return read(directory).body
-
-
 def verify_files(directory: Path, manifest: dict[str, Any], deep: bool = True) -> None:
     """Check every listed file's size (and sha256 when ``deep``); raises InvalidCheckpoint.
 

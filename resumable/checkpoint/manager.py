@@ -22,12 +22,13 @@ import torch
 from ..errors import SaveFailed
 from ..faults import NO_FAULTS, Faults
 from . import format as fmt
+from . import manifest as manifests
 from . import paths
 from .manifest import note as manifest_note
 from .manifest import seal
 from .retention import Candidate, steps_to_prune
-from .sharded import Previous, ShardedFormat
-from .state_format import StateFormat, read_any
+from .sharded import META, ShardedFormat
+from .state_format import Previous, StateFormat, TorchFile
 
 
 @dataclass
@@ -132,7 +133,7 @@ class CheckpointManager:
 
     def check(self, step: int, path: Path, deep: bool = True) -> CheckpointInfo:
         try:
-            manifest = fmt.read_manifest(path)
+            manifest = manifests.read(path).body
         except fmt.InvalidCheckpoint as e:
             return CheckpointInfo(step, path, None, str(e))
         if manifest["step"] != step:
@@ -185,7 +186,7 @@ class CheckpointManager:
             if older >= step:
                 continue
             try:
-                manifest = fmt.read_manifest(path)
+                manifest = manifests.read(path).body
             except fmt.InvalidCheckpoint:
                 continue
             return {name: Previous(path / name, entry["size"], entry["sha256"])
@@ -297,3 +298,10 @@ def describe_age(created: float | None) -> str:
 
 def checkpoints_dir(run_dir: str | os.PathLike[str]) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+def read_any(directory: Path, manifest: dict[str, Any], load_timeout_s: float | None = None) -> dict[str, Any]:
+    """The state of a checkpoint of any format: sharded when its manifest lists ``meta.pt``, else ``state.pt``."""
+    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    reader = ShardedFormat(load_timeout_s=load_timeout_s) if META in files else TorchFile(load_timeout_s)
+    return reader.read(directory, manifest)

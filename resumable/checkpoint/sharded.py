@@ -31,7 +31,7 @@ from . import format as fmt
 from . import paths, shardfile
 from .shardfile import Item
 from .staging import Staging, aligned
-from .state_format import Deadline, check_structure, load_timeout_from_env
+from .state_format import Deadline, Previous, Written, check_structure, load_timeout_from_env
 from .tree import map_leaves, path_text
 
 KIND = "safetensors-shards"
@@ -44,28 +44,6 @@ MIN_SHARD = 1 << 20
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
-
-
-@dataclass(frozen=True)
-class Previous:
-    """A file of the previous committed checkpoint, which an identical new file may be linked to."""
-
-    path: Path
-    size: int
-    sha256: str
-
-
-@dataclass
-class Written:
-    """What one save wrote: the files for the manifest, the fingerprint, and where the bytes went."""
-
-    files: dict[str, dict[str, Any]]
-    fingerprint: str
-    fingerprint_version: int
-    written: int = 0  # bytes written to disk
-    linked: int = 0  # bytes of shards hard-linked from the previous checkpoint (not written again)
-    staged: int = 0  # bytes copied into the staging memory on the training thread
-    direct: int = 0  # bytes handled on the training thread because they did not fit the staging memory
 
 
 @dataclass

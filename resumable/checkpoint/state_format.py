@@ -5,7 +5,8 @@ The manager owns the commit protocol (step directory, manifest written last, ret
 :class:`TorchFile` is the layout of formats 1 and 2: one ``state.pt`` (``torch.save`` of plain containers and
 tensors, loaded with ``weights_only=True`` and memory-mapped, so N ranks reading one checkpoint share its pages).
 Format 3 writes :class:`~resumable.checkpoint.sharded.ShardedFormat` (safetensors shards and a small
-``meta.pt``); :func:`read_any` reads either, by the files a manifest lists.
+``meta.pt``); the manager reads either, by the files a manifest lists (manager.read_any). Both formats return
+a :class:`Written`.
 
 A payload whose sha256 matches its manifest can still be hostile: pickle's memo lets 1 KB describe a list
 of lists that references one list twice at every level, 2^60 leaves when walked, and everything after the
@@ -25,6 +26,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -41,13 +43,35 @@ MAX_DEPTH = 100
 _CONTAINERS = (dict, list, tuple, set, frozenset)
 
 
+@dataclass(frozen=True)
+class Previous:
+    """A file of the previous committed checkpoint, which an identical new file may be linked to."""
+
+    path: Path
+    size: int
+    sha256: str
+
+
+@dataclass
+class Written:
+    """What one save wrote: the files for the manifest, the fingerprint, and where the bytes went."""
+
+    files: dict[str, dict[str, Any]]
+    fingerprint: str
+    fingerprint_version: int
+    written: int = 0  # bytes written to disk
+    linked: int = 0  # bytes of shards hard-linked from the previous checkpoint (not written again)
+    staged: int = 0  # bytes copied into the staging memory on the training thread
+    direct: int = 0  # bytes handled on the training thread because they did not fit the staging memory
+
+
 class StateFormat(Protocol):
     name: str
     load_timeout_s: float
 
     def begin(self, directory: Path, state: dict[str, Any], previous: Any = None, staging: Any = None) -> Any:
         """The training thread's part of a save; the result's ``finish()`` (on the writer's thread) returns a
-        :class:`~resumable.checkpoint.sharded.Written`."""
+        :class:`Written`."""
         ...
 
     def write(self, directory: Path, state: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -162,8 +186,6 @@ class TorchPending:
         self.directory, self.state = directory, state
 
     def finish(self) -> Any:
-        from .sharded import Written  # the result type both formats return
-
         entry = fmt.write_payload(self.directory, self.state)
         return Written({fmt.PAYLOAD: entry}, fmt.fingerprint(self.state.get("model"), self.state.get("optimizer")), 1,
                        written=entry["size"])
@@ -200,12 +222,3 @@ class TorchFile:
             raise fmt.InvalidCheckpoint(f"{directory} holds a {type(payload).__name__}, not a checkpoint")
         check_structure(payload, fmt.PAYLOAD, deadline)
         return payload
-
-
-def read_any(directory: Path, manifest: dict[str, Any], load_timeout_s: float | None = None) -> dict[str, Any]:
-    """The state of a checkpoint of any format: sharded when its manifest lists ``meta.pt``, else ``state.pt``."""
-    from .sharded import META, ShardedFormat
-
-    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
-    reader = ShardedFormat(load_timeout_s=load_timeout_s) if META in files else TorchFile(load_timeout_s)
-    return reader.read(directory, manifest)

@@ -24,6 +24,7 @@ from pathlib import Path
 from .. import log
 from ..checkpoint import CheckpointManager, paths
 from ..checkpoint import format as fmt
+from ..checkpoint import manifest as manifests
 from ..storage import open_run_location
 from ..storage.restore import restore_newest
 from ..storage.tiered import Mirror
@@ -100,7 +101,7 @@ class DriveLink:
             return None
         source = self.view.root / fmt.step_dir_name(brought)
         target = self.output_dir / hf.folder_name(brought)
-        link_folder(source, target, fmt.read_manifest(source))
+        link_folder(source, target, manifests.read(source).body)
         log.info(f"restored {target.name} from {self.remote.description}")
         return brought
 

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from ..checkpoint import format as fmt
+from ..checkpoint import manifest as manifests
 from ..checkpoint import paths
 from . import placement
 from .base import RemoteStore, run_of, same_run
@@ -49,7 +50,7 @@ def _download_checked(remote: RemoteStore, folder: str, name: str, target: Path,
 def check_remote(remote: RemoteStore, folder: str, scratch: Path,
                  listings: Listings | None = None) -> tuple[dict | None, str | None]:
     """(manifest, None) when the remote checkpoint ``folder`` is complete: its manifest is valid (read and checked
-    like a local one, see fmt.read_manifest), every file it lists is a plain name and is present with its size
+    like a local one, see manifests.read), every file it lists is a plain name and is present with its size
     (and md5, where both sides have one), in ``folder`` or in the older folder its entry places it in. Otherwise
     (None, why not). ``listings``: a cache of folder listings shared by several calls."""
     manifest, reason, _ = _check(remote, folder, scratch, listings or Listings(remote))
@@ -97,7 +98,7 @@ def _read_listed(remote: RemoteStore, folder: str, scratch: Path,
         except MissingFile:  # pruned between listing and reading
             return None, DELETED
         try:
-            manifest = fmt.read_manifest(holder / folder)
+            manifest = manifests.read(holder / folder).body
         except fmt.InvalidCheckpoint as e:
             return None, f"invalid: {e}"
     finally:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..checkpoint import CheckpointManager, paths
 from ..checkpoint import format as fmt
+from ..checkpoint import manifest as manifests
 from ..reporting.history import SESSIONS
 from ..reporting.tensorboard import TENSORBOARD_DIR
 from . import placement
@@ -206,7 +207,7 @@ class Mirror:
         source = self.local.root / folder
         self.uploading = step  # before its manifest is read: a prune from now on keeps it
         try:
-            manifest = fmt.read_manifest(source)
+            manifest = manifests.read(source).body
         except BaseException:
             self.uploading = None
             raise
