@@ -13,18 +13,18 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "CheckpointManager": "resumable.checkpoint",
-    "Checkpointer": "resumable.engine.checkpointer",
-    "Distributed": "resumable.engine.distributed",
+    "StateKeeper": "resumable.engine.state.keeper",
+    "Distributed": "resumable.distributed",
     "Faults": "resumable.faults",
-    "IndexBatches": "resumable.engine.data",
+    "IndexBatches": "resumable.engine.data.sources",
     "ResumableError": "resumable.errors",
-    "ResumableSampler": "resumable.engine.sampler",
+    "ResumableSampler": "resumable.engine.data.sampler",
     "Run": "resumable.engine.run",
     "RunOptions": "resumable.config",
-    "Stateful": "resumable.engine.state",
+    "Stateful": "resumable.engine.state.train_state",
     "TrainConfig": "resumable.config",
-    "TrainState": "resumable.engine.state",
-    "init_distributed": "resumable.engine.distributed",
+    "TrainState": "resumable.engine.state.train_state",
+    "init_distributed": "resumable.distributed",
 }
 __all__ = sorted([*_PUBLIC, "__version__"])
 

@@ -192,7 +192,7 @@ def train_command(ctx: click.Context, mode: str | None, overwrite: bool, resume_
     Kill it at any moment and run the same command again: it continues from the newest valid
     checkpoint and ends with the same weights as a run that was never interrupted.
     """
-    from .engine.preemption import install_startup_handlers
+    from .engine.loop.preemption import install_startup_handlers
 
     install_startup_handlers()  # first: a SIGTERM or Ctrl-C while torch imports is a clean stop, not a traceback
     if options["quiet"]:

@@ -17,7 +17,7 @@ from typing import Any
 
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("none", "step", "onecycle")
-# auto: bf16 where the GPU has it natively, fp16 + GradScaler on older GPUs, none on CPU (engine/hardware.py)
+# auto: bf16 where the GPU has it natively, fp16 + GradScaler on older GPUs, none on CPU (engine/state/hardware.py)
 AMP_MODES = ("none", "bf16", "fp16", "auto")
 # torch takes seeds up to 2**64 - 1; 2**63 - 1 leaves room for the offset each DDP rank adds to the seed.
 SEED_MAX = 2**63 - 1
@@ -58,7 +58,7 @@ class RunOptions:
     store_frozen: bool = False  # store frozen tensors too (default: recorded by fingerprint, not written)
     shard_size: str = "256MB"  # the most tensor bytes per safetensors file of a checkpoint
     staging_memory: str | None = None  # host memory for asynchronous saves; None: half of the free memory
-    hang_timeout: str | None = "auto"  # a duration, "auto" (from the step times: engine/watchdog.py) or None/"off"
+    hang_timeout: str | None = "auto"  # a duration, "auto" (from the step times: engine/loop/watchdog.py) or None/"off"
 
     def __post_init__(self) -> None:
         for name in ("shard_size", "staging_memory"):

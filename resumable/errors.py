@@ -95,8 +95,8 @@ class StopNow(BaseException):
 
 class Hung(BaseException):
     """Raised in the training thread of an interactive session (a notebook) when the step watchdog finds it hung
-    (engine/watchdog.py): a script exits 76 instead, but a notebook's kernel must survive, so the cell ends with this
-    exception. A ``BaseException`` so that no ``except Exception`` around a training step swallows it and trains on
+    (engine/loop/watchdog.py): a script exits 76 instead, but a notebook's kernel must survive, so the cell ends with
+    this exception. A ``BaseException`` so that no ``except Exception`` around a training step swallows it and trains on
     unwatched."""
 
     exit_code = EXIT_HANG

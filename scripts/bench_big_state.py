@@ -36,8 +36,8 @@ from resumable.checkpoint import format as fmt
 from resumable.checkpoint.memory import PeakMemory, peak, reset_peak, rss
 from resumable.checkpoint.sharded import ShardedFormat
 from resumable.checkpoint.writer import CheckpointWriter
-from resumable.engine.checkpointer import Checkpointer
-from resumable.engine.state import TrainState
+from resumable.engine.state.keeper import StateKeeper
+from resumable.engine.state.train_state import TrainState
 
 GB = 1 << 30
 MB = 1 << 20
@@ -103,14 +103,14 @@ def baseline_save(directory: Path, model: torch.nn.Module, optimizer: torch.opti
     return time.perf_counter() - started, entry["size"]
 
 
-def checkpointer(root: Path, model, optimizer, budget: int | None, shard_size: int,  # noqa: ANN001
-                 asynchronous: bool = True) -> Checkpointer:
-    return Checkpointer(CheckpointManager(root, ShardedFormat(shard_size)), {"model": model, "optimizer": optimizer},
+def keeper(root: Path, model, optimizer, budget: int | None, shard_size: int,  # noqa: ANN001
+                 asynchronous: bool = True) -> StateKeeper:
+    return StateKeeper(CheckpointManager(root, ShardedFormat(shard_size)), {"model": model, "optimizer": optimizer},
                         TrainState(), meta={}, keep=2, keep_best=False,
                         writer=CheckpointWriter(asynchronous=asynchronous), staging_memory=budget)
 
 
-def timed_save(saver: Checkpointer, step: int) -> tuple[float, int | None, float]:
+def timed_save(saver: StateKeeper, step: int) -> tuple[float, int | None, float]:
     """(training-thread blocked seconds, peak resident bytes above the start, seconds until committed)."""
     gc.collect()
     exact = reset_peak()
@@ -125,7 +125,7 @@ def timed_save(saver: Checkpointer, step: int) -> tuple[float, int | None, float
     return blocked, (top - before if top is not None and before is not None else None), total
 
 
-def bench_restore(saver: Checkpointer, model, optimizer, root: Path) -> str:  # noqa: ANN001
+def bench_restore(saver: StateKeeper, model, optimizer, root: Path) -> str:  # noqa: ANN001
     """Restore the newest checkpoint into the live objects, against torch.load of a state.pt + load_state_dict."""
     info = saver.manager.latest_valid()[0]
     gc.collect()
@@ -161,7 +161,7 @@ def bench_state(label: str, size: int, repeats: int, root: Path, shard_size: int
     print(f"torch.save + fsync: {base_s:.2f} s (median of {repeats}: {', '.join(f'{s:.2f}' for s in base)})")
     for fraction in (1.0, 0.25):
         budget = int(total * fraction) + (MB if fraction >= 1 else 0)  # >= the state: its RNG and counters too
-        saver = checkpointer(root / f"budget-{fraction}", model, optimizer, budget, shard_size)
+        saver = keeper(root / f"budget-{fraction}", model, optimizer, budget, shard_size)
         blocked, peaks, totals = [], [], []
         for i in range(repeats + 1):  # the first save allocates the staging memory: its peak counts, its time not
             perturb(model, optimizer)
@@ -198,7 +198,7 @@ def bench_lora(frozen: int, trainable: int, root: Path, shard_size: int) -> None
           f"moments ==")
     _, full_bytes = baseline_save(root / "full", model, optimizer)
     shutil.rmtree(root / "full")
-    saver = checkpointer(root / "lora", model, optimizer, None, shard_size)
+    saver = keeper(root / "lora", model, optimizer, None, shard_size)
     timed_save(saver, 1)
     written = saver.writer.stats.bytes
     saver.close()
@@ -213,7 +213,7 @@ def bench_unchanged(size: int, root: Path, shard_size: int) -> None:
 
     model, optimizer = adam_model(size)
     print(f"\n== second save of an unchanged {state_bytes(model, optimizer) / GB:.2f} GB state ==")
-    saver = checkpointer(root / "run" / "checkpoints", model, optimizer, None, shard_size)
+    saver = keeper(root / "run" / "checkpoints", model, optimizer, None, shard_size)
     mirror = Mirror(saver.manager, MountedDirStore(root / "remote"), root / "run", lambda _: None)
     sizes, uploads = [], []
     for step in (1, 2):

@@ -30,8 +30,8 @@ import torch
 
 from resumable.checkpoint import CheckpointManager
 from resumable.checkpoint.writer import CheckpointWriter
-from resumable.engine.checkpointer import Checkpointer
-from resumable.engine.state import TrainState
+from resumable.engine.state.keeper import StateKeeper
+from resumable.engine.state.train_state import TrainState
 
 CHUNK = 4 * 1024 * 1024  # floats per tensor (16 MB), like the large layers of a real model
 
@@ -96,11 +96,11 @@ def bench_size(megabytes: float, repeats: int, root: Path, device: str = "cpu") 
     results["torch.save+fsync"] = timed(torch_save, lambda: None, repeats)
 
     for name, asynchronous in (("resumable sync", False), ("resumable async", True)):
-        session = Checkpointer(CheckpointManager(root / name.replace(" ", "-")), {"model": Holder(model),
+        session = StateKeeper(CheckpointManager(root / name.replace(" ", "-")), {"model": Holder(model),
                           "optimizer": Holder(optim)}, TrainState(), meta={}, keep=1, keep_best=False,
                           writer=CheckpointWriter(asynchronous=asynchronous))
 
-        def save(session: Checkpointer = session) -> None:
+        def save(session: StateKeeper = session) -> None:
             session.state.step += 1
             session.save("bench")
 

@@ -1,8 +1,8 @@
 """What the notebook guards cost and how fast they answer (issue #30):
 
-* the per-step check that the objects being trained are the ones a Run saves (engine/verify.py TrainingWatch: a
+* the per-step check that the objects being trained are the ones a Run saves (engine/state/verify.py TrainingWatch: a
   global optimizer post-step hook, then a look at what stepped), against the same optimizer steps without it;
-* the copy a fresh start in a notebook keeps of what it was given (engine/freshstart.py), by the state's size;
+* the copy a fresh start in a notebook keeps of what it was given (engine/session/fresh_start.py), by the state's size;
 * with ``--kernel`` (needs ipykernel and jupyter_client, the dev extra): in a real Jupyter kernel, the time from a
   loop body that hangs to the cell ending with ``Hung`` (``hang_timeout="2s"``), against the timeout itself.
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from resumable.engine import freshstart
-from resumable.engine.verify import TrainingWatch
+from resumable.engine.session import fresh_start
+from resumable.engine.state.verify import TrainingWatch
 
 
 def _steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, watch: TrainingWatch | None,
@@ -63,7 +63,7 @@ def fresh_copy(megabytes: int, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
-        freshstart._take(objects, model, keep_copy=True)
+        fresh_start._take(objects, model, keep_copy=True)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 

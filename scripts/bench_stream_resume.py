@@ -4,14 +4,14 @@
 
 1. verify: a Run trains 2 steps and commits a checkpoint; then, --repeats times, a fresh Run (new model and
    Adam optimizer) over the same run dir resumes and delivers its first batch. The time of ``verify_restored``
-   (engine/verify.py) is compared with the whole checkpoint restore that calls it (``Checkpointer._restore``:
+   (engine/state/verify.py) is compared with the whole checkpoint restore that calls it (``StateKeeper._restore``:
    load, fingerprint check, load_state_dict, verification), for the MNIST CNN and for a synthetic MLP
    (--big-layers layers of 4096x4096).
 2. replay: a Run over an IterableDataset of small samples (16 floats + a label, made from the index) commits a
    checkpoint after --consumed samples; then a fresh Run resumes it until its first batch is delivered, for the
-   dataset without state_dict()/load_state_dict() (replayed from the start of the epoch, engine/stream.py) and
+   dataset without state_dict()/load_state_dict() (replayed from the start of the epoch, engine/data/stream.py) and
    with them (O(1)), against plainly iterating the same samples through a DataLoader.
-3. content check: the digest of the next batch that every save records (engine/datacheck.py), for map-style
+3. content check: the digest of the next batch that every save records (engine/data/content_check.py), for map-style
    indices, an MNIST batch, an LM token batch and a large image batch, against cloning the same batch.
 
 Every figure is a median of --repeats, printed only (nothing is asserted); resumable's own log is hidden
@@ -36,10 +36,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_worker_info
 
-from resumable.engine import checkpointer as checkpointer_module
-from resumable.engine.checkpointer import Checkpointer
+from resumable.engine.data.stream import DatasetStream
 from resumable.engine.run import Run
-from resumable.engine.stream import DatasetStream
+from resumable.engine.state import keeper as checkpointer_module
+from resumable.engine.state.keeper import StateKeeper
 from resumable.tasks.mnist import build_model, make_optimizer
 
 BATCH = 32
@@ -109,7 +109,7 @@ def bench_verify(name: str, make_model: Callable[[], nn.Module], inputs: torch.T
     verifies: list[float] = []
     firsts: list[float] = []
     checked: list[str] = []
-    with mock.patch.object(Checkpointer, "_restore", timing(Checkpointer._restore, restores)), \
+    with mock.patch.object(StateKeeper, "_restore", timing(StateKeeper._restore, restores)), \
          mock.patch.object(checkpointer_module, "verify_restored",
                            timing(checkpointer_module.verify_restored, verifies, checked)):
         for _ in range(repeats):
@@ -215,9 +215,9 @@ def bench_replay(consumed: int, workers: int, repeats: int, root: Path) -> str:
 
 
 def bench_digest(repeats: int) -> None:
-    """The content check's cost (engine/datacheck.py): the digest of the next batch that every save records, and
-    that a resume computes once for its first batch, against copying the same batch (clone) as the baseline."""
-    from resumable.engine.datacheck import digest
+    """The content check's cost (engine/data/content_check.py): the digest of the next batch that every save records,
+    and that a resume computes once for its first batch, against copying the same batch (clone) as the baseline."""
+    from resumable.engine.data.content_check import digest
 
     cases = [("map-style indices, batch 128", torch.randperm(60000)[:128]),
              ("MNIST batch 128 (0.4 MB)", {"x": torch.rand(128, 1, 28, 28), "y": torch.randint(0, 10, (128,))}),

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from resumable.engine.state import capture_rng, restore_rng
+from resumable.engine.state.train_state import capture_rng, restore_rng
 from resumable.faults import Faults
 from resumable.reporting.metrics import read_records, without_timing
 
@@ -100,7 +100,7 @@ def _session(run_dir: Path, data: str, device: str, steps: int, *extra: str) -> 
 
 
 def check_cross_device(data: str, root: Path) -> None:
-    from resumable.engine import hardware
+    from resumable.engine.state import hardware
 
     run_dir = root / "cross-device"
     gpu = hardware.label(hardware.describe("cuda"))
@@ -125,7 +125,7 @@ def check_amp_auto(data: str, root: Path) -> None:
     from click.testing import CliRunner
 
     from resumable.cli import train_command
-    from resumable.engine import hardware
+    from resumable.engine.state import hardware
 
     capability, native = hardware.probe("cuda")
     expected = hardware.choose_amp("cuda", capability, native)

@@ -12,8 +12,8 @@ from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.checkpoint.snapshot import Snapshotter
 from resumable.checkpoint.writer import CheckpointWriter, SaveFailed
 from resumable.cli import train_command
-from resumable.engine.checkpointer import Checkpointer
-from resumable.engine.state import TrainState
+from resumable.engine.state.keeper import StateKeeper
+from resumable.engine.state.train_state import TrainState
 from resumable.faults import NO_FAULTS, Faults
 
 
@@ -23,7 +23,7 @@ def _session(root: Path, asynchronous: bool = True, faults: Faults = NO_FAULTS):
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 8)).sum().backward()
     optimizer.step()
-    session = Checkpointer(CheckpointManager(root, faults=faults), {"model": model, "optimizer": optimizer},
+    session = StateKeeper(CheckpointManager(root, faults=faults), {"model": model, "optimizer": optimizer},
                            TrainState(), meta={}, writer=CheckpointWriter(asynchronous=asynchronous))
     return session, model, optimizer
 

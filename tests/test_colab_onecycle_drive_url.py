@@ -12,13 +12,12 @@ import pytest
 import torch
 from helpers import env, records, run
 
-from resumable import Run
+from resumable import Run, platforms
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.config import TrainConfig
-from resumable.engine import preemption
+from resumable.distributed import Distributed
 from resumable.engine.arguments import as_source
-from resumable.engine.data import IndexBatches
-from resumable.engine.distributed import Distributed
+from resumable.engine.data.sources import IndexBatches
 from resumable.errors import EXIT_RESUME, EXIT_USAGE, ResumableError
 from resumable.storage import open_run_location
 from resumable.tasks.mnist_task import MnistTask
@@ -33,22 +32,22 @@ def test_colab_budget_takes_the_vm_lifetime_from_the_environment_and_has_no_floo
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLAB_RELEASE_TAG", "release-colab-test")
     monkeypatch.delenv("RESUMABLE_COLAB_VM_LIFETIME", raising=False)
-    monkeypatch.setattr(preemption, "vm_uptime_s", lambda: 3 * HOUR)
-    margin = preemption.COLAB_SAFETY_S
-    assert preemption.colab_default_limit_s() == pytest.approx(12 * HOUR - margin - 3 * HOUR)  # the default
+    monkeypatch.setattr(platforms, "vm_uptime_s", lambda: 3 * HOUR)
+    margin = platforms.COLAB_SAFETY_S
+    assert platforms.colab_default_limit_s() == pytest.approx(12 * HOUR - margin - 3 * HOUR)  # the default
     for value in ("24h", "24", "23h60m"):  # Colab Pro; a bare number is hours
         monkeypatch.setenv("RESUMABLE_COLAB_VM_LIFETIME", value)
-        assert preemption.colab_default_limit_s() == pytest.approx(24 * HOUR - margin - 3 * HOUR), value
+        assert platforms.colab_default_limit_s() == pytest.approx(24 * HOUR - margin - 3 * HOUR), value
     for value in ("soon", "0", "-3h", "nan", "inf"):
         monkeypatch.setenv("RESUMABLE_COLAB_VM_LIFETIME", value)
         with pytest.raises(ResumableError, match="RESUMABLE_COLAB_VM_LIFETIME=.* write e.g. 24h"):
-            preemption.colab_default_limit_s()
+            platforms.colab_default_limit_s()
     # Less than the margin left: nothing (was 60 s: a minute of training inside the margin kept for the last save).
     monkeypatch.delenv("RESUMABLE_COLAB_VM_LIFETIME")
-    monkeypatch.setattr(preemption, "vm_uptime_s", lambda: 12 * HOUR - margin / 2)
-    assert preemption.colab_default_limit_s() == 0.0
-    monkeypatch.setattr(preemption, "vm_uptime_s", lambda: 13 * HOUR)
-    assert preemption.colab_default_limit_s() == 0.0
+    monkeypatch.setattr(platforms, "vm_uptime_s", lambda: 12 * HOUR - margin / 2)
+    assert platforms.colab_default_limit_s() == 0.0
+    monkeypatch.setattr(platforms, "vm_uptime_s", lambda: 13 * HOUR)
+    assert platforms.colab_default_limit_s() == 0.0
 
 
 def test_a_colab_vm_at_the_end_of_its_life_saves_and_stops_before_any_step(tiny_mnist: Path, tmp_path: Path) -> None:

@@ -11,8 +11,8 @@ from helpers import final_fingerprint
 
 from resumable import Run
 from resumable.cli import train_command
-from resumable.engine import active
-from resumable.engine.crashloop import crash_loop
+from resumable.engine.session import open_runs
+from resumable.engine.session.crash_loop import crash_loop
 from resumable.errors import EXIT_CRASH_LOOP, CrashLoop
 from resumable.faults import Faults
 from resumable.reporting.history import SessionRecord, read_sessions
@@ -71,7 +71,7 @@ def _tiny(run_dir: Path, fail_at: int | None, **options) -> Run:  # noqa: ANN003
 def _failing(run_dir: Path, fail_at: int, **options) -> None:  # noqa: ANN003
     with pytest.raises(RuntimeError, match="planted failure") as caught:
         _tiny(run_dir, fail_at, **options)
-    active.loop_ended(caught.value)  # what Python reports at the top of a script (here pytest.raises caught it)
+    open_runs.loop_ended(caught.value)  # what Python reports at the top of a script (here pytest.raises caught it)
 
 
 def test_failures_before_any_checkpoint_never_make_a_crash_loop(tmp_path: Path) -> None:

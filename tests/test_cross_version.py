@@ -18,7 +18,7 @@ from helpers import final_fingerprint, records
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.checkpoint import format as fmt
 from resumable.checkpoint.manifest import seal
-from resumable.engine.determinism import version_difference
+from resumable.engine.state.determinism import version_difference
 
 FIXTURES = sorted((Path(__file__).parent / "fixtures").glob("compat-*"))
 

@@ -94,8 +94,8 @@ def test_model_shape_and_log_probs() -> None:
 
 
 def test_ddp_ranks_fetch_with_different_augmentation_seeds_and_rank_0_keeps_the_single_process_ones() -> None:
-    from resumable.engine.data import EpochBatchSampler, batch_seed
-    from resumable.engine.sampler import ResumableSampler, epoch_seed
+    from resumable.engine.data.sampler import ResumableSampler, epoch_seed
+    from resumable.engine.data.sources import EpochBatchSampler, batch_seed
 
     def seeds(rank: int, world: int) -> list[int]:
         sampler = ResumableSampler(1000, 10, seed=7, rank=rank, world_size=world)
@@ -123,8 +123,8 @@ def test_fetching_in_the_training_process_leaves_cuda_seeding_and_the_cpu_stream
         monkeypatch: pytest.MonkeyPatch) -> None:
     # torch.manual_seed reseeds every CUDA generator for good, and with CUDA not yet initialised it queues a
     # manual_seed_all that lands when CUDA starts: a batch fetch would then decide the GPU's dropout masks.
-    from resumable.engine.data import LoaderBatches
-    from resumable.engine.sampler import ResumableSampler
+    from resumable.engine.data.sampler import ResumableSampler
+    from resumable.engine.data.sources import LoaderBatches
 
     calls: list[int] = []
     monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: calls.append(seed))

@@ -1,6 +1,6 @@
-"""Verification proves the data by content (engine/datacheck.py): every checkpoint records what the data produces
-next, and the first batch after a resume must be that batch. A stream whose state_dict() does not hold its exact
-position (a Hugging Face stream shuffled through a buffer) is resumed by replay instead, exactly; one that resumes
+"""Verification proves the data by content (engine/data/content_check.py): every checkpoint records what the data
+produces next, and the first batch after a resume must be that batch. A stream whose state_dict() does not hold its
+exact position (a Hugging Face stream shuffled through a buffer) is resumed by replay instead, exactly; one that resumes
 elsewhere is stopped before anything is trained; one whose position does not load is a resume error naming it."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import torch
 from helpers import env, final_fingerprint, records, small_filesystem
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
-from resumable.engine.sampler import ResumableSampler
+from resumable.engine.data.sampler import ResumableSampler
 
 BIN = Path(sys.executable).parent
 TRAIN = ["--device", "cpu", "--max-steps", "40", "--checkpoint-steps", "5", "--batch-size", "64", "--log-every", "1",

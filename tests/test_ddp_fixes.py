@@ -19,8 +19,9 @@ import torch
 from helpers import env, records
 
 from resumable.checkpoint.writer import SaveStats
-from resumable.engine.distributed import Distributed
-from resumable.engine.elastic import (
+from resumable.distributed import Distributed
+from resumable.engine.data.sampler import ResumableSampler
+from resumable.engine.loop.torchrun_stop import (
     STOPPED,
     PlannedStop,
     planned_stop_before_restart,
@@ -28,10 +29,9 @@ from resumable.engine.elastic import (
     record_planned_stop,
     write_planned_stop,
 )
-from resumable.engine.loop import Loop, LoopPlan
-from resumable.engine.sampler import ResumableSampler
-from resumable.engine.state import TrainState
-from resumable.engine.triggers import SaveTriggers
+from resumable.engine.loop.training_loop import Loop, LoopPlan
+from resumable.engine.loop.triggers import SaveTriggers
+from resumable.engine.state.train_state import TrainState
 from resumable.faults import NO_FAULTS
 from resumable.reporting.history import read_sessions
 from resumable.reporting.reporters import Reporter
@@ -58,7 +58,7 @@ class _Manager:
 
 
 class _Session:
-    """The part of a Checkpointer the loop touches; records each save's step and reason."""
+    """The part of a StateKeeper the loop touches; records each save's step and reason."""
 
     def __init__(self) -> None:
         self.state = TrainState()

@@ -18,8 +18,8 @@ from resumable.checkpoint import CheckpointManager, InvalidCheckpoint, checkpoin
 from resumable.checkpoint import format as fmt
 from resumable.checkpoint.manifest import seal
 from resumable.cli import train_command
-from resumable.engine import hardware
-from resumable.engine.state import capture_rng, restore_rng
+from resumable.engine.state import hardware
+from resumable.engine.state.train_state import capture_rng, restore_rng
 from resumable.reporting.history import SESSIONS
 
 T4 = {"device": "cuda:0", "device_type": "cuda", "gpu_name": "Tesla T4", "gpu_capability": [7, 5],

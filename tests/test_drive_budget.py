@@ -12,7 +12,7 @@ from fakedrive import FakeDrive
 from helpers import command, env
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
-from resumable.engine.preemption import Budget
+from resumable.engine.loop.preemption import Budget
 from resumable.errors import EXIT_RESUME
 from resumable.storage.pace import UploadPace
 

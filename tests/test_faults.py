@@ -141,7 +141,7 @@ def test_prune_failing_half_way_loses_nothing_valid(tiny_mnist: Path, tmp_path: 
 
 
 def test_low_free_space_is_announced_before_saving(tiny_mnist: Path, tmp_path: Path, monkeypatch) -> None:
-    from resumable.engine import checkpointer as session
+    from resumable.engine.state import keeper as session
 
     real = shutil.disk_usage
     monkeypatch.setattr(session.shutil, "disk_usage",

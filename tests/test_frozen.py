@@ -9,7 +9,7 @@ import torch
 
 from resumable import Run
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
-from resumable.engine.frozen import FrozenMismatch
+from resumable.engine.state.frozen import FrozenMismatch
 
 
 class Net(torch.nn.Module):

@@ -197,7 +197,7 @@ _RECORD_FAULTS = {
     "sessions.jsonl EIO": ("resumable.reporting.history.SessionLog._append", errno.EIO),
     "metrics.jsonl EIO": ("resumable.reporting.metrics.MetricsLog.log", errno.EIO),
     "metrics fsync EIO": ("resumable.reporting.metrics.MetricsLog.sync", errno.EIO),
-    "lock release on a read-only remount": ("resumable.engine.lock.RunLock.release", errno.EROFS),
+    "lock release on a read-only remount": ("resumable.engine.rundir.lock.RunLock.release", errno.EROFS),
 }
 
 
@@ -231,10 +231,10 @@ def test_no_room_for_another_checkpoint_at_start_is_exit_2_and_changes_nothing(t
                                                                                monkeypatch) -> None:
     train(tiny_run(tmp_path, max_steps=4))
     before = (tmp_path / "sessions.jsonl").read_bytes(), sorted(p.name for p in checkpoints_dir(tmp_path).iterdir())
-    from resumable.engine import checkpointer
+    from resumable.engine.state import keeper
 
     real = shutil.disk_usage
-    monkeypatch.setattr(checkpointer.shutil, "disk_usage", lambda path: real(path)._replace(free=1000))
+    monkeypatch.setattr(keeper.shutil, "disk_usage", lambda path: real(path)._replace(free=1000))
     with pytest.raises(ResumableError, match="MB free and a checkpoint needs") as caught:
         train(tiny_run(tmp_path))
     assert caught.value.exit_code == 2
@@ -243,7 +243,7 @@ def test_no_room_for_another_checkpoint_at_start_is_exit_2_and_changes_nothing(t
 
 
 def test_a_full_disk_at_start_is_exit_2_with_the_cause(tmp_path: Path, monkeypatch) -> None:
-    from resumable.engine import lock
+    from resumable.engine.rundir import lock
 
     monkeypatch.setattr(lock.RunLock, "acquire", _fail_with(errno.ENOSPC))
     with pytest.raises(ResumableError, match="No space left on device") as caught:

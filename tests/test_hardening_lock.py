@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from resumable.engine.lock import LOCK_FILE, MACHINE, RunLock
+from resumable.engine.rundir.lock import LOCK_FILE, RunLock
 from resumable.errors import ResumableError, RunDirInUse
 from resumable.storage.base import RemoteFile
 from resumable.storage.lease import LEASE, DriveLease
+from resumable.storage.owner import MACHINE
 from resumable.storage.retry import MissingFile
 
 HOST = socket.gethostname()
@@ -267,7 +268,7 @@ def test_the_heartbeat_refreshes_the_record_repairs_it_and_notices_a_new_owner(t
 def test_a_forked_child_does_not_keep_a_killed_trainers_lock(tmp_path: Path) -> None:
     """A DataLoader worker forked by the trainer shares its lock file; the kernel lock must still end with the
     trainer, not with the last worker."""
-    script = (f"import os, time\nfrom pathlib import Path\nfrom resumable.engine.lock import RunLock\n"
+    script = (f"import os, time\nfrom pathlib import Path\nfrom resumable.engine.rundir.lock import RunLock\n"
               f"RunLock(Path({str(tmp_path)!r})).acquire()\n"
               f"child = os.fork()\n"
               f"if child == 0:\n    os.close(1)\n    os.close(2)\n    time.sleep(60)\n    os._exit(0)\n"

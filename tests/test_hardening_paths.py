@@ -182,7 +182,7 @@ def test_path_policy_mounted_links(tmp_path: Path) -> None:
 def test_path_policy_symlinked_step_dirs(tmp_path: Path) -> None:
     """Retention, cleanup of unfinished saves and --fresh --overwrite with step dirs (and the TensorBoard dir)
     that are symlinks to folders outside the run dir: only the links go, nothing outside changes."""
-    from resumable.engine.rundir import RunDir
+    from resumable.engine.rundir.run_dir import RunDir
     from resumable.storage import RunLocation
 
     run_dir, outside = tmp_path / "run", tmp_path / "outside"

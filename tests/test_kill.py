@@ -111,7 +111,7 @@ def test_soak_kill_cycles(mnist_dir: Path, tmp_path: Path, uninterrupted, index:
     assert (final_fingerprint(tmp_path), records(tmp_path)) == uninterrupted, f"diverged; kill seed {seed}"
 
 
-# SIGINT and SIGUSR1 take the same handler as SIGTERM (engine/preemption.py): run in the soak set only, to keep the
+# SIGINT and SIGUSR1 take the same handler as SIGTERM (engine/loop/preemption.py): run in the soak set only, to keep the
 # default suite short (test_chaos.py's mixed signals send SIGINT in the default run too).
 @pytest.mark.parametrize("signame", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.soak),
                                      pytest.param("SIGUSR1", marks=pytest.mark.soak)])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import command, env
 
-from resumable.engine.lock import LOCK_FILE, RunLock
+from resumable.engine.rundir.lock import LOCK_FILE, RunLock
 from resumable.errors import RunDirInUse
 
 

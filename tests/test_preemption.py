@@ -8,11 +8,12 @@ import signal
 import pytest
 from click.testing import CliRunner
 
+from resumable import platforms
 from resumable.cli import train_command
 from resumable.config import format_duration, parse_duration
-from resumable.engine import preemption
-from resumable.engine.preemption import Budget, StopFlag
-from resumable.engine.triggers import SaveTriggers, young_interval
+from resumable.engine.loop import preemption
+from resumable.engine.loop.preemption import Budget, StopFlag
+from resumable.engine.loop.triggers import SaveTriggers, young_interval
 
 
 @pytest.mark.parametrize("text, seconds", [("90s", 90), ("5m", 300), ("1h30m", 5400), ("2h", 7200),
@@ -66,11 +67,11 @@ def test_budget_leaves_room_for_step_and_save() -> None:
 
 def test_colab_budget_counts_from_vm_start(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
-    assert preemption.colab_default_limit_s() is None
+    assert platforms.colab_default_limit_s() is None
     monkeypatch.setenv("COLAB_RELEASE_TAG", "release-colab-test")
-    monkeypatch.setattr(preemption, "vm_uptime_s", lambda: 3 * 3600.0)
-    expected = 12 * 3600 - preemption.COLAB_SAFETY_S - 3 * 3600
-    assert preemption.colab_default_limit_s() == pytest.approx(expected)
+    monkeypatch.setattr(platforms, "vm_uptime_s", lambda: 3 * 3600.0)
+    expected = 12 * 3600 - platforms.COLAB_SAFETY_S - 3 * 3600
+    assert platforms.colab_default_limit_s() == pytest.approx(expected)
 
 
 def test_stop_flag_sets_flag_second_sigint_interrupts_and_restores() -> None:

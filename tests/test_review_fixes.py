@@ -183,7 +183,7 @@ def test_an_object_without_state_is_refused_at_construction(tmp_path: Path) -> N
 # 17b. a lost lock stops training and nothing more is written
 def test_losing_the_lock_stops_training_and_writes_nothing_more(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    from resumable.engine import lock as lock_module
+    from resumable.engine.rundir import lock as lock_module
 
     monkeypatch.setattr(lock_module.RunLock.__init__, "__defaults__", (0.05, 180.0))  # a fast heartbeat
     taken = {}
@@ -212,7 +212,7 @@ def test_a_drive_restore_waits_for_the_lock_of_the_cache(tmp_path: Path, monkeyp
     cache = open_run_location(str(run_dir), str(tmp_path / "vm2")).local_dir
     cache.mkdir(parents=True)
     (cache / "metrics.jsonl").write_text('{"step": 1, "mine": true}\n')
-    from resumable.engine.lock import RunLock
+    from resumable.engine.rundir.lock import RunLock
 
     holder = RunLock(cache)
     holder.acquire()  # a live trainer of this cache (this process)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from resumable.engine.sampler import ResumableSampler, epoch_seed
+from resumable.engine.data.sampler import ResumableSampler, epoch_seed
 
 
 @pytest.mark.parametrize("n, bs", [(10, 4), (8000, 128), (7, 7), (5, 9)])

@@ -16,7 +16,7 @@ from helpers import final_fingerprint
 
 from resumable import Run
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
-from resumable.engine import interactive
+from resumable.engine.session import notebook
 from resumable.errors import ResumableError, ResumeNotApplied, StopNow
 from resumable.faults import Faults, held_marker
 from resumable.reporting.history import read_sessions
@@ -118,7 +118,7 @@ def test_a_second_fresh_start_on_objects_an_earlier_try_changed(tmp_path: Path, 
     with pytest.raises(ResumableError, match="Run the cell that builds the model and optimizer again"):
         train(make_run(tmp_path / "script", model, optimizer, data), model, optimizer)
     # In a kernel the first fresh start keeps a copy, and the fixed try starts from it: the clean run's result.
-    monkeypatch.setattr(interactive, "interactive", lambda: True)
+    monkeypatch.setattr(notebook, "interactive", lambda: True)
     model, optimizer, data = build()
     for _ in range(2):
         with pytest.raises(ValueError, match="planted"):

@@ -1,4 +1,4 @@
-"""Iterable data (engine/stream.py), killed with SIGKILL mid-epoch and resumed: the same final state and the same
+"""Iterable data (engine/data/stream.py), killed with SIGKILL mid-epoch and resumed: the same final state and the same
 loss at every step as an uninterrupted run, with and without the state_dict protocol, with 0 and 2 workers; a
 Hugging Face ``datasets`` stream over local files and torchdata's StatefulDataLoader the same way; and chains of
 kills, one on the very first step after a resume and one inside a save."""

@@ -1,4 +1,4 @@
-"""Resume verification (engine/verify.py): each planted mistake that makes a resume silently load nothing stops
+"""Resume verification (engine/state/verify.py): each planted mistake that makes a resume silently load nothing stops
 with an error naming the object, and a correct resume says what it checked and how long it took."""
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def test_a_scaler_that_does_not_take_its_state_is_named(tmp_path: Path) -> None:
 
 def test_rng_streams_that_were_not_restored_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _train(tmp_path, max_steps=5)
-    monkeypatch.setattr("resumable.engine.checkpointer.restore_rng", lambda state: None)
+    monkeypatch.setattr("resumable.engine.state.keeper.restore_rng", lambda state: None)
     with pytest.raises(ResumeNotApplied, match=r"the RNG streams read back differ from the checkpoint's \(/torch_cpu"):
         _train(tmp_path)
     assert len(list((tmp_path / "checkpoints").iterdir())) == 3  # nothing was changed on disk (steps 2, 4, 5)

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from helpers import command, env, final_fingerprint, inspect_json, records
 
 from resumable.cli import train_command
-from resumable.engine.watchdog import (
+from resumable.engine.loop.watchdog import (
     FIRST_STEP_S,
     FLOOR_S,
     MIN_SAMPLES,

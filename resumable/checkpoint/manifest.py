@@ -295,7 +295,7 @@ def _placement_ok(folder: Any) -> bool:
 
 
 def _frozen(value: Any) -> str | None:
-    """The tensors not stored (engine/frozen.py): name -> {sha256, shape, dtype}."""
+    """The tensors not stored (engine/state/frozen.py): name -> {sha256, shape, dtype}."""
     if not isinstance(value, dict):
         return "must be an object of tensor name -> {sha256, shape, dtype}"
     for name, entry in value.items():
@@ -357,7 +357,7 @@ _FIELDS: dict[str, tuple[Check, bool]] = {
     "created": (_text, False),
     "torch_version": (_text, False),
     "python_version": (_text, False),
-    # where it was written (engine/hardware.py); absent in checkpoints before they were recorded
+    # where it was written (engine/state/hardware.py); absent in checkpoints before they were recorded
     "device_type": (_text, False),
     "gpu_name": (_text, False),
     "gpu_capability": (_capability, False),

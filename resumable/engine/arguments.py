@@ -12,19 +12,13 @@ import torch
 
 from .. import log
 from ..config import RunOptions, format_duration, parse_duration
-from .data import IndexBatches, LoaderBatches
-from .distributed import Distributed
-from .preemption import (
-    COLAB_LIFETIME_ENV,
-    COLAB_SAFETY_S,
-    Budget,
-    colab_default_limit_s,
-    colab_vm_lifetime_s,
-    process_age_s,
-)
-from .sampler import ResumableSampler
-from .stream import is_stream, stream_source
-from .triggers import SaveTriggers
+from ..distributed import Distributed
+from ..platforms import COLAB_LIFETIME_ENV, COLAB_SAFETY_S, colab_default_limit_s, colab_vm_lifetime_s
+from .data.sampler import ResumableSampler
+from .data.sources import IndexBatches, LoaderBatches
+from .data.stream import is_stream, stream_source
+from .loop.preemption import Budget, process_age_s
+from .loop.triggers import SaveTriggers
 
 
 def plain_module(model: torch.nn.Module) -> torch.nn.Module:

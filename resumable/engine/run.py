@@ -13,11 +13,11 @@
         run.log(loss)
 
 A :class:`Run` is the same engine ``resumable-train`` uses. It is a facade over the parts that do the work:
-the run dir (engine/rundir.py: location, lock, Drive restore, choice of checkpoint), the checkpointer
-(engine/checkpointer.py: what goes into a checkpoint and back), the loop (engine/loop.py: steps, epochs, saves,
-stops) and the reporters (reporting/: metrics, TensorBoard, progress, session history). After the loop,
-``run.finished`` says whether training is complete; otherwise it stopped early with its state committed, and
-running the same code again continues.
+the run dir (engine/rundir/run_dir.py: location, lock, Drive restore, choice of checkpoint), the state keeper
+(engine/state/keeper.py: what goes into a checkpoint and back), the loop (engine/loop/training_loop.py: steps, epochs,
+saves, stops) and the reporters (reporting/: metrics, TensorBoard, progress, session history). After the loop,
+``run.finished`` says whether training is complete; otherwise it stopped early with its state committed, and running the
+same code again continues.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from ..checkpoint import CheckpointManager, checkpoints_dir, describe_age
 from ..checkpoint.sharded import ShardedFormat
 from ..checkpoint.writer import CheckpointWriter, SaveStats
 from ..config import DURATION_MAX_S, RunOptions, format_duration
+from ..distributed import Distributed
 from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME, Hung, ResumableError, StopNow
 from ..faults import Faults
 from ..reporting.history import SessionLog
@@ -52,20 +53,20 @@ from ..reporting.reporters import (
 from ..reporting.tensorboard import TensorBoardLog
 from ..reporting.wandb import WANDB_ID, WandbReporter, choose_id, require_wandb
 from ..storage.tiered import Mirror
-from . import active, determinism, freshstart, hardware, identity, interactive
 from .arguments import as_source, budget, device_of, json_value, plain_module, triggers
-from .checkpointer import Checkpointer
-from .data import IndexBatches
-from .distributed import Distributed
-from .elastic import planned_stop_before_restart, record_planned_stop
-from .ending import close_mirror, confirm_committed, describe_error, error_detail, finish_save, summarise
-from .loop import Loop, LoopPlan, Outcome
-from .position import accept_data_change, remap_position
-from .preemption import StopFlag
-from .rundir import Choice, RunDir
-from .state import Stateful, TrainState, as_stateful
-from .verify import TrainingWatch, check_schedulers
-from .watchdog import Watchdog, start_watchdog
+from .data.remap import accept_data_change, remap_position
+from .data.sources import IndexBatches
+from .loop.preemption import StopFlag
+from .loop.torchrun_stop import planned_stop_before_restart, record_planned_stop
+from .loop.training_loop import Loop, LoopPlan, Outcome
+from .loop.watchdog import Watchdog, start_watchdog
+from .rundir.run_dir import Choice, RunDir
+from .session import fresh_start, identity, notebook, open_runs
+from .session.ending import close_mirror, confirm_committed, describe_error, error_detail, finish_save, summarise
+from .state import determinism, hardware
+from .state.keeper import StateKeeper
+from .state.train_state import Stateful, TrainState, as_stateful
+from .state.verify import TrainingWatch, check_schedulers
 
 _BUILT_IN = ("model", "optimizer", "scheduler", "scaler", "sampler")
 
@@ -90,7 +91,7 @@ class Run:
     ``data`` is a map-style ``Dataset`` (loaded through a ``DataLoader`` with ``num_workers``, ``collate_fn``,
     ``pin_memory`` and any other ``loader_options``), :class:`resumable.IndexBatches` for tensors already on
     the device, or iterable data (an ``IterableDataset``, e.g. Hugging Face ``datasets`` streaming, or a loader
-    such as torchdata's ``StatefulDataLoader``; an epoch ends when it is exhausted: see engine/stream.py).
+    such as torchdata's ``StatefulDataLoader``; an epoch ends when it is exhausted: see engine/data/stream.py).
     ``evaluate()`` runs after each epoch and returns metrics (``test_acc`` picks the best
     checkpoint); the model's train/eval modes are restored after it. ``objects`` adds more ``Stateful`` things
     to checkpoint (an EMA, a custom sampler, a ``torch``/``numpy``/``random`` generator...).
@@ -99,13 +100,13 @@ class Run:
     ``resume``: ``auto`` (default) continues from the newest valid checkpoint, ``must`` requires one,
     ``never`` starts over (``overwrite=True`` discards existing checkpoints). ``allow_data_change=True``
     continues a run whose dataset changed length since the checkpoint, at an epoch boundary. ``resume_from=STEP``
-    continues from that checkpoint instead of the newest (engine/rewind.py); ``ignore_crash_loop=True`` starts even
-    when the last sessions all failed from the same step (engine/crashloop.py: otherwise :class:`CrashLoop`, exit
-    77). ``hang_timeout`` (``"auto"``, a duration or ``"off"``): engine/watchdog.py. Other keyword arguments are
-    :class:`~resumable.config.RunOptions` (``max_steps``, ``checkpoint_every="5m"``, ``checkpoint_steps``,
-    ``time_limit``, ``keep``, ``tensorboard``, ``cache_dir``...). ``tracker="wandb"`` (or ``wandb="project"``)
-    logs the records to one Weights & Biases run across sessions; a W&B run object is logged to as it is
-    (reporting/wandb.py).
+    continues from that checkpoint instead of the newest (engine/rundir/rewind.py); ``ignore_crash_loop=True`` starts
+    even when the last sessions all failed from the same step (engine/session/crash_loop.py: otherwise
+    :class:`CrashLoop`, exit 77). ``hang_timeout`` (``"auto"``, a duration or ``"off"``): engine/loop/watchdog.py. Other
+    keyword arguments are :class:`~resumable.config.RunOptions` (``max_steps``, ``checkpoint_every="5m"``,
+    ``checkpoint_steps``, ``time_limit``, ``keep``, ``tensorboard``, ``cache_dir``...). ``tracker="wandb"`` (or
+    ``wandb="project"``) logs the records to one Weights & Biases run across sessions; a W&B run object is logged to as
+    it is (reporting/wandb.py).
 
     For tools built on the engine (``resumable-train``): ``computation`` replaces what a checkpoint must
     match, ``settings`` what each manifest records as the run's options, ``prepared`` an already opened
@@ -113,7 +114,7 @@ class Run:
     ``resumable chaos`` hands a child process). ``amp`` (none, bf16, fp16) is the autocast dtype the loop uses,
     recorded in each manifest as ``amp_dtype``; ``amp_switch`` (``{"from": "bf16", "to": "fp16", "why": ...}``)
     accepts that one change of the computation's ``amp`` from the checkpoint's, starts a GradScaler the checkpoint
-    lacks fresh, and records the switch in ``sessions.jsonl`` (engine/hardware.py: ``--amp auto`` on a GPU
+    lacks fresh, and records the switch in ``sessions.jsonl`` (engine/state/hardware.py: ``--amp auto`` on a GPU
     without native bf16).
     """
 
@@ -157,7 +158,7 @@ class Run:
         self._objects: dict[str, Stateful | None] = {"model": plain_module(model), "optimizer": optimizer,
                                                      "scheduler": scheduler, "scaler": scaler,
                                                      "sampler": self.sampler}
-        # as the user passed them: what a later fresh start in this process compares (engine/freshstart.py)
+        # as the user passed them: what a later fresh start in this process compares (engine/session/fresh_start.py)
         self._given: dict[str, Any] = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
                                        "scaler": scaler, **(objects or {})}
         for name, obj in (objects or {}).items():
@@ -184,19 +185,19 @@ class Run:
         self.resumed_from: int | None = None
         self._prepared = prepared
         self._rundir: RunDir | None = None
-        self._checkpointer: Checkpointer | None = None
+        self._keeper: StateKeeper | None = None
         self._mirror: Mirror | None = None
         self._loop: Loop | None = None
         self._iterator: Iterator[tuple[int, int, Any]] | None = None
-        self._elastic_stop = False  # stopped on purpose under torchelastic (see engine/elastic.py)
+        self._elastic_stop = False  # stopped on purpose under torchelastic (see engine/loop/torchrun_stop.py)
         self._ended_by: str | None = None  # the exception that ended the loop from outside, if any
         self._error: str | None = None  # its type and message
         self.resume_from, self.ignore_crash_loop = resume_from, ignore_crash_loop
         self.amp, self.amp_switch = amp, dict(amp_switch) if amp_switch else None
         self._built_in = identity.caller_file(sys._getframe(1))  # the script or notebook cell that built it
-        self._loop_file: str | None = None  # ... and the one that iterates it (see engine/identity.py)
+        self._loop_file: str | None = None  # ... and the one that iterates it (see engine/session/identity.py)
         self._iterated = False
-        self._left_at: tuple[int, int] | None = None  # where the loop was left (engine/active.py)
+        self._left_at: tuple[int, int] | None = None  # where the loop was left (engine/session/open_runs.py)
         self._sessions: SessionLog | None = None
         self._stop: StopFlag | None = None
         self._close_previous()  # the Run cell was run again while the old loop is open
@@ -221,7 +222,7 @@ class Run:
     @property
     def stats(self) -> SaveStats | None:
         """Checkpoint figures of this session (None before training started)."""
-        return self._checkpointer.writer.stats if self._checkpointer is not None else None
+        return self._keeper.writer.stats if self._keeper is not None else None
 
     def log(self, loss: torch.Tensor) -> None:
         """Report the loss of the batch just trained (not synced): train loss per epoch and log records."""
@@ -239,7 +240,7 @@ class Run:
         self._loop_file = identity.caller_file(sys._getframe(1))
         generator = self._iterate()
         # Only the loop holds the generator: a loop left by break or an exception drops it, and CPython finalises
-        # it at once, which ends the session there (engine/active.py), instead of leaving its watchdog armed.
+        # it at once, which ends the session there (engine/session/open_runs.py), instead of leaving its watchdog armed.
         self._iterator = weakref.ref(generator)
         return generator
 
@@ -254,7 +255,8 @@ class Run:
 
         ``error``: the exception that ended the loop, recorded as how the session ended (``with run:`` passes
         it; an exception that leaves a plain ``for`` loop is recorded through ``sys.excepthook`` in a script and
-        IPython's ``post_run_cell`` in a notebook: engine/active.py). ``reason``: recorded when there is no error."""
+        IPython's ``post_run_cell`` in a notebook: engine/session/open_runs.py). ``reason``: recorded when there is no
+        error."""
         generator = self._iterator() if self._iterator is not None else None
         if generator is not None and generator.gi_frame is not None and not generator.gi_running:
             if self._ended_by is None:
@@ -269,7 +271,7 @@ class Run:
         """``error`` was reported after this Run's loop was left: when it is the exception that unwound past the
         loop, record it as how the session ended (instead of "break"). Returns whether it was."""
         left, self._left_at = self._left_at, None
-        if left is None or self._sessions is None or not active.unwound(error, left):
+        if left is None or self._sessions is None or not open_runs.unwound(error, left):
             self._left_at = left
             return False
         detail = None if isinstance(error, KeyboardInterrupt) else error_detail(error)
@@ -277,7 +279,7 @@ class Run:
 
     def cell_ended(self, error: BaseException | None) -> None:
         """A notebook cell ended while this Run's loop is open (an iterator kept in a variable): control is outside
-        the loop, so its hang watchdog waits for the next step (engine/active.py)."""
+        the loop, so its hang watchdog waits for the next step (engine/session/open_runs.py)."""
         if self._loop is not None and self._loop.watchdog is not None:
             self._loop.watchdog.idle()
         if self._stop is not None:
@@ -286,14 +288,14 @@ class Run:
     def _close_previous(self) -> None:
         """Close an earlier Run of this process on the same run dir whose loop is still open (a notebook cell run
         again): its lock, threads and workers are released before this one opens the run dir."""
-        previous = active.get(self.run_dir)
+        previous = open_runs.get(self.run_dir)
         if previous is not None and previous is not self:
             log.info(f"closing the previous Run on {self.run_dir} in this process (its cell was run again?)")
             previous.close(reason="closed: a new Run on its run dir")
 
     def _iterate(self) -> Iterator[tuple[int, int, Any]]:
         self._close_previous()  # before choosing: its last save may still commit
-        active.wait_for_stuck_save(self.run_dir)
+        open_runs.wait_for_stuck_save(self.run_dir)
         self._identity = (identity.code_digest([self._built_in, self._loop_file, identity.class_file(self.model)]),
                           identity.config_digest(self.settings))
         if self._prepared is not None:
@@ -304,17 +306,17 @@ class Run:
                                          self.options.drive_credentials, self.mode, self.overwrite, self.resume_from,
                                          self.ignore_crash_loop or self.faults.ignore_crash_loop, self._identity)
         self._rundir = rundir
-        active.add(self.run_dir, self)
+        open_runs.add(self.run_dir, self)
         try:
             with log.quiet(self.options.quiet):
                 self._restore(rundir, choice)
                 yield from self._train(rundir, choice)
         finally:
-            active.remove(self.run_dir, self)
+            open_runs.remove(self.run_dir, self)
             rundir.release()
 
     def _restore(self, rundir: RunDir, choice: Choice) -> None:
-        """Build the checkpointer and load the chosen checkpoint on every rank (they fail together)."""
+        """Build the keeper and load the chosen checkpoint on every rank (they fail together)."""
         main = self.dist.main
         if main:
             rundir.local.mkdir(parents=True, exist_ok=True)
@@ -323,7 +325,7 @@ class Run:
             self._mirror = Mirror(rundir.manager, rundir.remote, rundir.local, log.info, run_id=choice.run_id,
                                   lost=lambda: rundir.lost)
         self._metrics = MetricsLog(rundir.local / METRICS if main else None)
-        self._checkpointer = Checkpointer(
+        self._keeper = StateKeeper(
             CheckpointManager(checkpoints_dir(rundir.local), ShardedFormat(
                 self.options.shard_size_bytes, faults=self.faults,
                 share_limit=self.options.keep - 1 if self.options.keep >= 2 else None), self.faults),
@@ -338,51 +340,51 @@ class Run:
             staging_memory=self.options.staging_memory_bytes,
             protect=self._mirror.protected if self._mirror is not None else None)
         if self._mirror is not None:
-            self._mirror.after_upload = self._checkpointer.prune
+            self._mirror.after_upload = self._keeper.prune
         for setting in determinism.set_cheap_defaults():  # before the checkpoint's settings are compared
             if self.device.type == "cuda":  # set on every device (it is recorded), said only where cuBLAS runs
                 log.info(f"set {setting} for deterministic cuBLAS (see README: bit-identical resumes)")
         check_schedulers(self._objects, resuming=choice.latest is not None)  # the same on every rank
-        # where this session trains (engine/hardware.py): recorded in each manifest, compared at a resume
-        self._checkpointer.meta.update(hardware.describe(self.device))
+        # where this session trains (engine/state/hardware.py): recorded in each manifest, compared at a resume
+        self._keeper.meta.update(hardware.describe(self.device))
         if self.amp is not None:
-            self._checkpointer.meta["amp_dtype"] = self.amp
+            self._keeper.meta["amp_dtype"] = self.amp
         switch = self.amp_switch
         if switch:
-            self._checkpointer.fresh = frozenset({"scaler"})
+            self._keeper.fresh = frozenset({"scaler"})
         error: Exception | None = None
         if choice.latest is not None:
             try:
-                info = self._checkpointer.resume(
+                info = self._keeper.resume(
                     choice.latest, choice.skipped, self.computation, self.run_dir, self._api,
                     ignore=frozenset({"num_samples"}) if self.allow_data_change else frozenset(),
                     accept={"amp": (switch["from"], switch["to"])} if switch else None)
                 if self.allow_data_change:
                     self.data_change = accept_data_change(info, self.computation.get("num_samples"), self.state)
                     if self.data_change:  # another order from here on, by request: not a resume that went wrong
-                        self._checkpointer.data_next = None
+                        self._keeper.data_next = None
             except Exception as e:  # noqa: BLE001 - any failure (an OSError too) must reach every rank
                 error = e
             else:
                 self.resumed_from = info.step
                 if main:
                     try:
-                        self._checkpointer.check_room()
+                        self._keeper.check_room()
                     except ResumableError as e:
                         error = e
                 saved_world = info.manifest.get("world_size", 1)
                 if saved_world != self.dist.world_size:
                     remap_position(self.state, self.sampler, saved_world, self.accumulate, self.dist.world_size)
-                cost = self._checkpointer.restore_cost
+                cost = self._keeper.restore_cost
                 known = cost is not None and cost.added is not None
                 memory = f", host memory peak +{cost.added / 1e6:.0f} MB" if known else ""
                 log.info(f"resuming from step {info.step} (epoch {self.state.epoch}, batch "
                          f"{self.state.batch_in_epoch}), saved {describe_age(info.created)}; loaded in "
                          f"{cost.seconds if cost is not None else 0:.2f}s{memory}")
-                ahead = self._checkpointer.data_next
+                ahead = self._keeper.data_next
                 first = (f"; the first batch is compared with the checkpoint's record of its {ahead['of']}"
                          if ahead else "")
-                log.info(f"resume verified {self._checkpointer.verified}{first}")
+                log.info(f"resume verified {self._keeper.verified}{first}")
         failed = self.dist.all_errors(None if error is None else str(error) if isinstance(error, ResumableError)
                                       else f"{type(error).__name__}: {error}")
         if failed:
@@ -390,21 +392,21 @@ class Run:
                 raise error
             rank, message = failed[0]
             raise ResumableError(f"rank {rank} could not load the checkpoint: {message}")
-        if choice.latest is None:  # the same fresh start every time in this process (engine/freshstart.py)
-            line = freshstart.start_fresh(self.run_dir, {name: (self._given.get(name), obj) for name, obj
+        if choice.latest is None:  # the same fresh start every time in this process (engine/session/fresh_start.py)
+            line = fresh_start.start_fresh(self.run_dir, {name: (self._given.get(name), obj) for name, obj
                                                          in self._objects.items() if name != "sampler"},
-                                          self.model, keep_copy=interactive.interactive())
+                                          self.model, keep_copy=notebook.interactive())
             if line is not None:
                 log.info(line)
         else:
-            freshstart.forget(self.run_dir)
+            fresh_start.forget(self.run_dir)
         if self.resumed_from is None and not self.model.training:
             log.info("the model was in eval mode; training it in train mode (model.train())")
             self.model.train()
 
     def _after_commit(self, step: int) -> None:
         """A checkpoint committed (on the writer's thread): this run's fresh start is on disk now, and Drive gets it."""
-        freshstart.forget(self.run_dir)
+        fresh_start.forget(self.run_dir)
         if self._mirror is not None:
             self._mirror.submit(step)
 
@@ -428,7 +430,7 @@ class Run:
         note = (f"dataset changed from {self.data_change[0]} to {self.data_change[1]} samples (allow_data_change)"
                 if self.data_change else None)
         self._sessions = SessionLog(rundir.local if main else None)
-        extra = {"device": hardware.label(self._checkpointer.meta),
+        extra = {"device": hardware.label(self._keeper.meta),
                  **({"amp_switch": self.amp_switch} if self.amp_switch else {}),
                  "code": self._identity[0], "config": self._identity[1]}
         reporters.append(HistoryReporter(self._sessions, note, extra))
@@ -436,8 +438,8 @@ class Run:
 
     def _train(self, rundir: RunDir, choice: Choice) -> Iterator[tuple[int, int, Any]]:
         """Everything that modifies the run dir (rank 0 holds its lock)."""
-        checkpointer, state, main = self._checkpointer, self.state, self.dist.main
-        manager = checkpointer.manager
+        keeper, state, main = self._keeper, self.state, self.dist.main
+        manager = keeper.manager
         stopped = planned_stop_before_restart(self.dist, rundir.local)
         if stopped is not None:  # torchrun restarted the group after a crash, but this job had stopped on purpose
             log.info(f"this torchrun job stopped on purpose at step {stopped.step} ({stopped.reason}) before the "
@@ -465,7 +467,7 @@ class Run:
             session_budget = budget(self.options)
             if self._mirror is not None:  # the final checkpoint must reach Drive before the limit, not only disk
                 session_budget.durable_s = self._mirror.pace.durable_s
-            loop = Loop(checkpointer, self.sampler, plan, report, self._end_epoch, self._current_lr, self.device,
+            loop = Loop(keeper, self.sampler, plan, report, self._end_epoch, self._current_lr, self.device,
                         triggers=triggers(self.options), stop=stop, budget=session_budget,
                         on_interval=self._announce_interval if self.options.checkpoint_every == "auto" else None,
                         dist=self.dist, lost=(lambda: rundir.lost) if main else None)
@@ -497,8 +499,8 @@ class Run:
             except GeneratorExit:
                 if self._ended_by is None:  # finalised: the loop was left (break, or an exception unwinding past it)
                     ended = "interrupted (Ctrl-C)" if stop.forced else "break"
-                    self._left_at = active.loop_position()
-                    active.left(self)  # the exception, if one left it, is reported next (engine/active.py)
+                    self._left_at = open_runs.loop_position()
+                    open_runs.left(self)  # the exception, if one left it, is reported next (session/open_runs.py)
                 else:  # closed: by close(), ``with run:``, or a new Run on this run dir
                     ended = self._ended_by
                 if self._error:
@@ -526,16 +528,16 @@ class Run:
                      f"exits {EXIT_RESUME} for this stop (plain torchrun exits 0)")
 
     def _watch(self, rundir: RunDir, step: int) -> Watchdog | None:
-        """Arm the step watchdog (engine/watchdog.py); every rank runs its own and writes its own stack file."""
+        """Arm the step watchdog (engine/loop/watchdog.py); every rank runs its own and writes its own stack file."""
         if not self.options.watchdog_on:
             return None
         session = self.dist.broadcast(self._sessions.number)  # rank 0 numbers the sessions: one name on every rank
-        stats = self._checkpointer.writer.stats
+        stats = self._keeper.writer.stats
         # In a notebook the process is the user's kernel: a hang raises in the training thread instead of exiting.
-        interrupt = self._stop.interrupt if interactive.interactive() and self._stop is not None else None
+        interrupt = self._stop.interrupt if notebook.interactive() and self._stop is not None else None
         return start_watchdog(self.options.hang_timeout, self.options.hang_timeout_s, rundir.local, self.dist.rank,
                               session, step, self._sessions.end if self.dist.main else None,
-                              self._checkpointer.writer.wait_idle, slowest_save=lambda: stats.slowest_s,
+                              self._keeper.writer.wait_idle, slowest_save=lambda: stats.slowest_s,
                               interrupt=interrupt)
 
     def _confirmed(self, outcome: Outcome | None, manager: CheckpointManager) -> Outcome | None:
@@ -567,11 +569,11 @@ class Run:
     def _wait_quietly(self, at_once: bool = False) -> None:
         """Let an in-flight save finish (it is consistent) without raising over another exception; give it up when
         it is stuck (ending.finish_save), at once after a second interrupt or when the watchdog found it hung."""
-        writer = self._checkpointer.writer
+        writer = self._keeper.writer
         watchdog = self._loop.watchdog if self._loop is not None else None
         bound = 0.0 if at_once else watchdog.save_limit() if watchdog is not None else DURATION_MAX_S
         if finish_save(writer, bound, self._stop):
-            active.stuck(self.run_dir, writer)  # a new session on this run dir waits for it first
+            open_runs.stuck(self.run_dir, writer)  # a new session on this run dir waits for it first
 
     def _close_mirror(self, interrupted: bool) -> None:
         if self._mirror is not None:
@@ -581,7 +583,7 @@ class Run:
                                              (lambda: stop.forced) if stop is not None else None)
 
     def _summarise(self) -> None:
-        summarise(self._checkpointer, self.state, self.outcome, self._rundir.lost if self._rundir else None,
+        summarise(self._keeper, self.state, self.outcome, self._rundir.lost if self._rundir else None,
                   self.run_dir)
 
     def _end_epoch(self, epoch: int) -> dict[str, float]:

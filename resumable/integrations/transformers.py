@@ -46,8 +46,9 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from .. import log
 from ..config import parse_duration
-from ..engine.preemption import Budget, StopFlag, colab_default_limit_s
+from ..engine.loop.preemption import Budget, StopFlag
 from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME, NothingToResume
+from ..platforms import colab_default_limit_s
 from . import hf_checkpoints as hf
 from .hf_drive import DriveLink
 

@@ -14,14 +14,14 @@ killed (or is still running). Records::
 
 ``ended`` is ``finished``, ``time limit``, ``save error``, ``save stuck``, ``interrupted``, a signal name
 (``SIGTERM``, ``SIGTERM (at once)`` for a second one during a save), ``hang`` (the step watchdog fired:
-engine/watchdog.py), ``break`` (the loop was left early: a ``break``, or an exception that the caller caught around
+engine/loop/watchdog.py), ``break`` (the loop was left early: a ``break``, or an exception that the caller caught around
 the loop), ``closed`` or ``error: TYPE`` (an exception); ``error`` says what failed (for an exception, its type and
-message), which the crash-loop check (engine/crashloop.py) quotes. A session may have a second end record: a loop
-left by an exception first records ``break`` (the generator cannot see the exception) and then the exception, once
-the script or notebook cell reports it (engine/active.py); the last end record of a session counts. ``code`` and
-``config`` are digests of the code that built and iterated the Run and of its options (engine/identity.py): a crash
-loop needs them unchanged. ``device`` is where the session trained (engine/hardware.py); ``amp_switch`` is present
-only when ``--amp auto`` changed the checkpoint's AMP dtype at this start (bf16 on a GPU without native bf16).
+message), which the crash-loop check (engine/session/crash_loop.py) quotes. A session may have a second end record: a
+loop left by an exception first records ``break`` (the generator cannot see the exception) and then the exception, once
+the script or notebook cell reports it (engine/session/open_runs.py); the last end record of a session counts. ``code``
+and ``config`` are digests of the code that built and iterated the Run and of its options (engine/session/identity.py):
+a crash loop needs them unchanged. ``device`` is where the session trained (engine/state/hardware.py); ``amp_switch`` is
+present only when ``--amp auto`` changed the checkpoint's AMP dtype at this start (bf16 on a GPU without native bf16).
 """
 
 from __future__ import annotations
@@ -186,7 +186,8 @@ class SessionLog:
         self.error = error[:ERROR_MAX]
 
     def end(self, step: int, ended: str, error: str | None = None) -> None:
-        """Record the end; called once, by the training thread or by the watchdog of a hung one (engine/watchdog.py)."""
+        """Record the end; called once, by the training thread or by the watchdog of a hung one
+        (engine/loop/watchdog.py)."""
         with self._ending:  # the first caller writes it
             number, self.number = self.number, None
         if number is None:

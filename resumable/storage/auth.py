@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .. import platforms
 from .retry import StorageError
 
 DRIVE_SCOPE = "https://www.googleapis.com/auth/drive"
@@ -122,6 +123,4 @@ def drive_login(client_secrets: str, token_path: Path = DEFAULT_TOKEN) -> Path:
 
 
 def _in_colab() -> bool:
-    from ..engine.preemption import in_colab
-
-    return in_colab()
+    return platforms.in_colab()

@@ -7,7 +7,7 @@ holds the run dir". What refuses is another owner's live record that is actually
 overwritten by them, or a newer copy of the lease listed beside ours (of same-titled copies the newest is the
 lease, drivelist.py). Two machines training one Drive run dir is the case this guards against
 (a notebook re-run on a new VM while the old VM still lives). Anyone who can write to the folder can write
-the lease, so it is parsed like the local lock record (engine/lock.py): an invalid one is unreadable, and an
+the lease, so it is parsed like the local lock record (engine/rundir/lock.py): an invalid one is unreadable, and an
 unreadable lease is taken over like a stale one.
 """
 
@@ -22,10 +22,10 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
-from ..engine.lock import LockRecord, Owner, in_use_message, lock_record, read_record_file, stale_reason
 from ..errors import RunDirInUse
 from .base import RemoteFile, RemoteStore
 from .drivelist import newest_key
+from .owner import LockRecord, Owner, in_use_message, lock_record, read_record_file, stale_reason
 from .retry import MissingFile, StorageError
 
 LEASE = "lease.json"

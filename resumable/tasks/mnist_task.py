@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from ..config import TrainConfig
-from ..engine.sampler import ResumableSampler
-from ..engine.state import seed_everything
+from ..engine.data.sampler import ResumableSampler
+from ..engine.state.train_state import seed_everything
 from . import mnist
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -19,7 +19,8 @@ class MnistTask:
     """Everything ``resumable-train`` trains, built deterministically from ``cfg`` (seeded first)."""
 
     def __init__(self, cfg: TrainConfig, device: torch.device, world_size: int = 1, amp: str | None = None) -> None:
-        """``amp``: the AMP mode actually used (``--amp auto`` resolved, engine/hardware.py); default ``cfg.amp``."""
+        """``amp``: the AMP mode actually used (``--amp auto`` resolved, engine/state/hardware.py); default
+        ``cfg.amp``."""
         self.cfg = cfg
         self.amp = amp if amp is not None else cfg.amp
         if self.amp not in _AMP_DTYPES and self.amp != "none":

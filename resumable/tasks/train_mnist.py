@@ -13,12 +13,13 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import log
 from ..checkpoint.writer import SaveStats
 from ..config import COMPUTATION_FIELDS, SESSION_FIELDS, TrainConfig
-from ..engine import hardware, identity
-from ..engine.data import IndexBatches
-from ..engine.distributed import Distributed
+from ..distributed import Distributed
+from ..engine.data.sources import IndexBatches
 from ..engine.run import Run
-from ..engine.rundir import RunDir
-from ..engine.state import TrainState, seed_everything
+from ..engine.rundir.run_dir import RunDir
+from ..engine.session import identity
+from ..engine.state import hardware
+from ..engine.state.train_state import TrainState, seed_everything
 from ..errors import ConfigMismatch, ResumableError
 from ..faults import Faults
 from . import mnist
@@ -68,7 +69,7 @@ class TrainResult:
 def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False, resume_from: int | None = None,
           ignore_crash_loop: bool = False) -> TrainResult:
     """Run ``resumable-train`` with the options the user gave explicitly (``resume_from``, ``ignore_crash_loop``:
-    see engine/rewind.py and engine/crashloop.py)."""
+    see engine/rundir/rewind.py and engine/session/crash_loop.py)."""
     dist = Distributed.from_env(_device_type(explicit.get("device", TrainConfig.device)))  # torchrun: join
     log.set_rank(dist.rank)  # before the task is built: only rank 0 speaks from the start
     try:
@@ -84,7 +85,8 @@ def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False,
 def _train(dist: Distributed, explicit: dict[str, Any], mode: str, overwrite: bool, resume_from: int | None,
            ignore_crash_loop: bool) -> TrainResult:
     run_dir = explicit.get("run_dir", TrainConfig.run_dir)
-    # What this session runs, for the crash-loop check: this task's code and the options given (engine/identity.py).
+    # What this session runs, for the crash-loop check: this task's code and the options given
+    # (engine/session/identity.py).
     session = (identity.code_digest([__file__, mnist.__file__]), identity.config_digest(explicit))
     rundir, choice = RunDir.open(dist, run_dir, explicit.get("cache_dir"), explicit.get("drive_credentials"), mode,
                                  overwrite, resume_from, ignore_crash_loop or Faults.from_env().ignore_crash_loop,
@@ -136,7 +138,7 @@ def _resolve_amp(requested: str, device: torch.device, saved: Any, step: int) ->
     """The AMP mode this session trains with, and the switch to record (None: the checkpoint's mode is kept).
 
     ``saved`` is the newest checkpoint's computation (None: a fresh run). ``--amp auto`` picks for a fresh run and
-    keeps a checkpoint's mode unless it cannot run well here (engine/hardware.py). An explicit ``--amp bf16`` on a
+    keeps a checkpoint's mode unless it cannot run well here (engine/state/hardware.py). An explicit ``--amp bf16`` on a
     GPU without native bf16 is obeyed with a warning: it runs (emulated, slowly), needs no GradScaler, and the
     user asked for it; ``--amp auto`` is the way to switch."""
     capability, native = hardware.probe(device)

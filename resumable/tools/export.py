@@ -123,7 +123,7 @@ def export_model(run_dir: Path, out: Path, best: bool = False) -> tuple[Checkpoi
     except OSError as e:
         raise ExportError(f"cannot write {out}: {e}") from e
     frozen = (info.manifest or {}).get("frozen") or {}
-    if frozen:  # a LoRA run: the base was never stored, only fingerprinted (engine/frozen.py)
+    if frozen:  # a LoRA run: the base was never stored, only fingerprinted (engine/state/frozen.py)
         log.warning(f"{len(frozen)} frozen tensor(s) of the model are not in its checkpoints (the run's script "
                     f"loads them, e.g. the base weights): {out} holds the {len(state)} trained ones. Build the "
                     f"base, then model.load_state_dict(torch.load({str(out)!r}), strict=False)")

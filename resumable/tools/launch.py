@@ -3,7 +3,7 @@
 Under plain ``torchrun`` a worker that exits 75 ("stopped early, state committed, run again") counts as a
 failure: with ``--max-restarts N`` the agent restarts the group, which trains on past the user's stop with a
 fresh budget, and torchrun finally exits 1. So a worker that stops on purpose under torchelastic records the
-stop (engine/preemption.py) and exits 0, which ends the group. This launcher runs torchrun's own code in this
+stop (engine/loop/preemption.py) and exits 0, which ends the group. This launcher runs torchrun's own code in this
 process (``torch.distributed.run``), points the workers at a marker file of its own, and after the group ends
 maps the outcome: 75 when the workers recorded a planned stop, 0 when training finished, 1 when the group
 failed (as torchrun does).
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import click
 
-from ..engine.elastic import STOP_MARKER_ENV, read_planned_stop
+from ..engine.loop.torchrun_stop import STOP_MARKER_ENV, read_planned_stop
 from ..errors import EXIT_RESUME
 
 EXIT_FAILED = 1  # torchrun's exit code when the worker group failed

@@ -41,9 +41,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from .. import log
-from ..config import format_duration
-from ..errors import EXIT_HANG, Hung
+from ... import log
+from ...config import format_duration
+from ...errors import EXIT_HANG, Hung
 
 FLOOR_S = 300.0  # the auto timeout is never shorter: a slow step on a shared machine is not a hang
 FACTOR = 10  # x the p99 step time

@@ -41,9 +41,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
-from .. import log
-from ..errors import ResumableError, ResumeNotApplied
-from .data import _Seeded, batch_seed, shut_down, worker_options
+from ... import log
+from ...errors import ResumableError, ResumeNotApplied
+from .sources import _Seeded, batch_seed, shut_down, worker_options
 from .sampler import epoch_seed
 
 _RESERVED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator")
@@ -216,7 +216,7 @@ class _Stream(ABC):
         return self._ended == (epoch, batch_in_epoch)
 
     def upcoming(self, epoch: int, index: int) -> tuple[str, Any] | None:
-        """The batch the stream produces at (epoch, index) when walk has already read it (engine/datacheck.py);
+        """The batch the stream produces at (epoch, index) when walk has already read it (engine/data/content_check.py);
         None at an epoch's start, where nothing is read ahead."""
         ahead = self._ahead
         return ("batch content", ahead[2]) if ahead is not None and ahead[:2] == (epoch, index) else None

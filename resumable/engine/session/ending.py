@@ -5,17 +5,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .. import log
-from ..checkpoint import CheckpointManager
-from ..checkpoint.format import step_dir_name
-from ..checkpoint.writer import CheckpointWriter
-from ..config import format_duration, parse_duration
-from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME, ResumableError, StopNow
-from ..storage.tiered import Mirror
-from .checkpointer import Checkpointer
-from .loop import Outcome
-from .preemption import Budget, StopFlag
-from .state import TrainState
+from ... import log
+from ...checkpoint import CheckpointManager
+from ...checkpoint.format import step_dir_name
+from ...checkpoint.writer import CheckpointWriter
+from ...config import format_duration, parse_duration
+from ...errors import EXIT_NOT_DURABLE, EXIT_RESUME, ResumableError, StopNow
+from ...storage.tiered import Mirror
+from ..loop.preemption import Budget, StopFlag
+from ..loop.training_loop import Outcome
+from ..state.keeper import StateKeeper
+from ..state.train_state import TrainState
 
 
 def close_mirror(mirror: Mirror, flush_timeout: str, interrupted: bool, budget: Budget | None = None,
@@ -103,15 +103,15 @@ def report_durable(mirror: Mirror, budget: Budget) -> None:
                     f"--time-limit to leave more room")
 
 
-def summarise(checkpointer: Checkpointer, state: TrainState, outcome: Outcome | None, lost: str | None,
+def summarise(keeper: StateKeeper, state: TrainState, outcome: Outcome | None, lost: str | None,
               run_dir: str) -> None:
-    log.summary(checkpointer.writer.stats.summary())
+    log.summary(keeper.writer.stats.summary())
     if outcome is None or outcome.finished:
         log.summary(f"done at step {state.step}; newest checkpoint "
-                    f"{checkpointer.manager.root / f'step-{state.step:09d}'}")
+                    f"{keeper.manager.root / f'step-{state.step:09d}'}")
         return
     if outcome.reason == "save error":
-        latest, _ = checkpointer.manager.latest_valid()
+        latest, _ = keeper.manager.latest_valid()
         log.summary(f"stopped early (a checkpoint could not be written): the newest valid checkpoint is step "
                     f"{latest.step if latest else 'none'}. Fix the cause (disk space, I/O errors), then run the "
                     f"same command again to continue from it (exit code {EXIT_RESUME})")
@@ -120,7 +120,7 @@ def summarise(checkpointer: Checkpointer, state: TrainState, outcome: Outcome | 
                     f"checkpoint committed before it stays valid. Run the same command again once the disk answers "
                     f"(exit code {EXIT_RESUME})")
     elif outcome.reason == "checkpoint missing":
-        latest, _ = checkpointer.manager.latest_valid()
+        latest, _ = keeper.manager.latest_valid()
         log.summary(f"stopped: the newest valid checkpoint is {f'step {latest.step}' if latest else 'none'}; run "
                     f"the same command again to continue from it (exit code {EXIT_RESUME})")
     elif outcome.reason == "lock lost":

@@ -18,7 +18,7 @@ import weakref
 from types import FrameType
 from typing import Any
 
-from . import interactive
+from . import notebook
 
 _OPEN: dict[str, Any] = {}  # run dir key -> Run
 _LEFT: weakref.WeakSet = weakref.WeakSet()  # Runs whose loop was left; their end may still be amended
@@ -54,7 +54,7 @@ def stuck(run_dir: str, writer: Any) -> None:
 def wait_for_stuck_save(run_dir: str, wait_s: float = STUCK_WAIT_S) -> None:
     """Before a new session on ``run_dir``: a save given up as stuck by an earlier Run of this process may still be
     writing into the same step dirs. Wait for its thread to end; refuse, naming the fix, if it does not."""
-    from ..errors import ResumableError
+    from ...errors import ResumableError
 
     writer = _STUCK.get(key(run_dir))
     if writer is None:
@@ -136,7 +136,7 @@ def _after_cell(result: Any = None) -> None:
 
 
 def _hook_shell() -> None:
-    shell = interactive.shell()
+    shell = notebook.shell()
     if shell is None or any(hooked is shell for hooked in _HOOKED):
         return
     try:

@@ -4,21 +4,21 @@ A supervisor (a restart loop, torchrun's restarts, a scheduled Colab re-run) res
 the failure is in the run itself (a step that always raises, an out-of-memory kill, a hang at the same place), every
 restart resumes from the same checkpoint and fails again, forever. ``sessions.jsonl`` says so: when the last
 :data:`SESSIONS` sessions all started from the checkpoint this start would resume from, ran the same code and the
-same config as this start (engine/identity.py), and each ended in a failure -- killed without an end record, an
+same config as this start (engine/session/identity.py), and each ended in a failure -- killed without an end record, an
 exception (``error: ...``), a hang, a save error -- none of them committed a checkpoint past it (one that had would
 be resumed instead). Stops on purpose (a signal, the time limit, Ctrl-C, ``break``) are not failures.
 
 Never for a run with no committed checkpoint: starting over costs nothing, and that is where a script is debugged.
 A changed script, notebook cell or option starts a new count. ``--ignore-crash-loop`` starts anyway;
-``--resume-from STEP`` goes back to an older checkpoint (engine/rewind.py), which starts a new count.
+``--resume-from STEP`` goes back to an older checkpoint (engine/rundir/rewind.py), which starts a new count.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..errors import CrashLoop
-from ..reporting.history import SessionRecord
+from ...errors import CrashLoop
+from ...reporting.history import SessionRecord
 
 SESSIONS = 3  # failed sessions from one step in a row that make a crash loop
 

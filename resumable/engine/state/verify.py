@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .. import log
-from ..checkpoint import digests
-from ..checkpoint.tree import tensors
-from ..errors import ResumeNotApplied
-from .state import capture_rng
+from ... import log
+from ...checkpoint import digests
+from ...checkpoint.tree import tensors
+from ...errors import ResumeNotApplied
+from .train_state import capture_rng
 
 _REPLICATED = ("step", "epoch", "batch_in_epoch")  # TrainState fields equal on every rank
 

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.memory import proc_field
-from ..errors import ResumableError
-from . import active
-from .state import capture_rng, restore_rng
+from ...checkpoint.memory import proc_field
+from ...errors import ResumableError
+from ..state.train_state import capture_rng, restore_rng
+from . import open_runs
 
 COPY_FRACTION = 0.25  # the copy may take at most this share of the available host memory
 
@@ -86,7 +86,7 @@ def start_fresh(run_dir: str, objects: Mapping[str, tuple[Any, Any]], model: tor
     """At a fresh start on ``run_dir``: put back what its first fresh start in this process was given, when these
     are the same objects; otherwise keep what they hold now. ``objects``: name -> (the object as the user passed it,
     its Stateful). ``keep_copy``: copy the states (an interactive kernel). Returns a line for the log, or None."""
-    key = active.key(run_dir)
+    key = open_runs.key(run_dir)
     kept = _KEPT.get(key)
     if kept is not None and kept.owners.get("model") is not None and kept.owners["model"]() is model:
         return _put_back(kept, objects, model)
@@ -143,4 +143,4 @@ def _put_back(kept: Kept, objects: Mapping[str, tuple[Any, Any]], model: torch.n
 
 def forget(run_dir: str) -> None:
     """A checkpoint of ``run_dir`` committed (or a session resumed from one): its fresh start is on disk now."""
-    _KEPT.pop(active.key(run_dir), None)
+    _KEPT.pop(open_runs.key(run_dir), None)

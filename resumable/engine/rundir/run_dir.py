@@ -14,18 +14,18 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import log
-from ..checkpoint import CheckpointInfo, CheckpointManager, checkpoints_dir
-from ..errors import NothingToResume, ResumableError, RunDirInUse
-from ..reporting.history import SESSIONS, read_sessions
-from ..reporting.metrics import METRICS
-from ..reporting.tensorboard import TENSORBOARD_DIR
-from ..storage import RunLocation, StorageError, open_run_location
-from ..storage.lease import DriveLease
-from ..storage.restore import RestoreFailed
-from ..storage.tiered import restore_newest
-from .crashloop import check_crash_loop
-from .distributed import Distributed
+from ... import log
+from ...checkpoint import CheckpointInfo, CheckpointManager, checkpoints_dir
+from ...distributed import Distributed
+from ...errors import NothingToResume, ResumableError, RunDirInUse
+from ...reporting.history import SESSIONS, read_sessions
+from ...reporting.metrics import METRICS
+from ...reporting.tensorboard import TENSORBOARD_DIR
+from ...storage import RunLocation, StorageError, open_run_location
+from ...storage.lease import DriveLease
+from ...storage.restore import RestoreFailed
+from ...storage.tiered import restore_newest
+from ..session.crash_loop import check_crash_loop
 from .lock import RunLock
 from .rewind import choose_step, set_aside_newer
 
@@ -64,7 +64,7 @@ def choose_checkpoint(manager: CheckpointManager, run_dir: str, mode: str, overw
 
     ``mode``: ``auto`` resumes when there is a valid checkpoint, ``resume`` requires one, ``fresh`` starts over
     (and needs ``overwrite`` to discard existing checkpoints). ``resume_from``: that step's checkpoint instead of the
-    newest (engine/rewind.py)."""
+    newest (engine/rundir/rewind.py)."""
     if resume_from is not None:
         if mode == "fresh":
             raise ResumableError("--resume-from continues from a checkpoint and --fresh starts over: give one of them")
@@ -103,7 +103,7 @@ class RunDir:
         self.lock = lock
         self.lease = lease
         self.taken_over: str | None = None  # the message when a stale lock/lease was taken over
-        self.identity: tuple[str, str] | None = None  # (code, config) digests of the session (engine/identity.py)
+        self.identity: tuple[str, str] | None = None  # (code, config) digests (engine/session/identity.py)
 
     @property
     def local(self) -> Path:
@@ -133,8 +133,8 @@ class RunDir:
              overwrite: bool, resume_from: int | None = None, ignore_crash_loop: bool = False,
              identity: tuple[str, str] | None = None) -> tuple[RunDir, Choice]:
         """Open and lock the run dir (rank 0), bring Drive's newest checkpoint back and pick the one to resume
-        (see :func:`choose_checkpoint`), unless the last sessions make a crash loop there (engine/crashloop.py) for
-        this ``identity`` (the session's code and config digests). Raises ResumableError on every rank if rank 0
+        (see :func:`choose_checkpoint`), unless the last sessions make a crash loop there (engine/session/crash_loop.py)
+        for this ``identity`` (the session's code and config digests). Raises ResumableError on every rank if rank 0
         cannot."""
         if not dist.main:
             chosen = dist.broadcast(None)
@@ -221,7 +221,7 @@ class RunDir:
 
         Never through a symlink (checkpoint/paths.py): a step dir or the TensorBoard dir that is a link is removed
         itself, with a warning, and nothing outside the run dir changes."""
-        from ..checkpoint import paths
+        from ...checkpoint import paths
 
         self.manager.delete_all()
         for name in (METRICS, SESSIONS):

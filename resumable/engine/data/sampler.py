@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .. import log
+from ... import log
 
 _MASK63 = (1 << 63) - 1
 
@@ -138,7 +138,7 @@ class ResumableSampler:
             yield index, indices, len(indices), index + 1 == batches
 
     def upcoming(self, epoch: int, index: int) -> tuple[str, torch.Tensor] | None:
-        """What batch ``index`` of ``epoch`` is made of, for a checkpoint's record (engine/datacheck.py): its
+        """What batch ``index`` of ``epoch`` is made of, for a checkpoint's record (engine/data/content_check.py): its
         sample indices, without loading anything."""
         if not 0 <= index < self.batches_per_epoch:
             return None

@@ -1,4 +1,4 @@
-"""Knowing when to stop: signal flags and the session time budget.
+"""Knowing when to stop: signal flags and the session time budget (its Colab default: resumable/platforms.py).
 
 Signal handlers only set a flag; the loop commits a checkpoint at the next step boundary and the process
 exits with :data:`EXIT_RESUME` ("stopped early, state committed, run again to continue"). A second
@@ -10,26 +10,17 @@ the process; the last committed checkpoint stays valid.
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from ..config import parse_duration
-from ..errors import ResumableError, StopNow
+from ... import platforms
+from ...errors import StopNow
 
-# Colab tells the VM neither its lifetime nor the user's plan: no COLAB_* variable, file or metadata entry holds
-# either. Its FAQ gives "as much as 12 hours" for free VMs and up to 24 h on paid plans (never guaranteed), so
-# 12 h is the default (on a paid plan a session then stops early and the next one continues), and
-# RESUMABLE_COLAB_VM_LIFETIME=24h says otherwise.
-COLAB_VM_LIFETIME_S = 12 * 3600.0
-COLAB_LIFETIME_ENV = "RESUMABLE_COLAB_VM_LIFETIME"
-COLAB_SAFETY_S = 20 * 60.0
 # SIGHUP: the terminal or SSH session closed; the run saves and stops as for SIGTERM.
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP")
 _EARLY: list[str] = []  # stop signals that arrived before training started (see install_startup_handlers)
@@ -149,52 +140,6 @@ class StopFlag:
         self._previous.clear()
 
 
-def in_colab() -> bool:
-    return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
-
-
-def vm_uptime_s() -> float | None:
-    try:
-        with open("/proc/uptime", encoding="ascii") as handle:
-            return float(handle.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def colab_vm_lifetime_s() -> tuple[float, str]:
-    """``(seconds, where from)``: the Colab VM's maximum lifetime, from RESUMABLE_COLAB_VM_LIFETIME (a duration such
-    as ``24h`` or ``23h30m``; a bare number is hours) or the 12 h default (see :data:`COLAB_VM_LIFETIME_S`)."""
-    text = os.environ.get(COLAB_LIFETIME_ENV, "").strip()
-    if not text:
-        return COLAB_VM_LIFETIME_S, "Colab's 12h default"
-    try:
-        try:
-            seconds = float(text) * 3600.0  # "24": hours (a lifetime of 24 seconds means nothing)
-        except ValueError:
-            seconds = parse_duration(text)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ResumableError(f"{COLAB_LIFETIME_ENV}={text!r} is not a VM lifetime; write e.g. 24h (Colab Pro) or "
-                             f"12h (free), or unset it for the 12h default")
-    return seconds, f"{COLAB_LIFETIME_ENV}={text}"
-
-
-def colab_default_limit_s() -> float | None:
-    """Seconds left before the Colab VM's lifetime (:func:`colab_vm_lifetime_s`) ends, less a safety margin,
-    counted from VM boot (a notebook may have run for hours before this process started). None outside Colab.
-
-    0 when less than the margin is left: no step may start, so the session commits a checkpoint at once and stops
-    (exit 75) while the VM still lives. (A floor above 0 would train on into the margin kept for that save.)"""
-    if not in_colab():
-        return None
-    uptime = vm_uptime_s()
-    if uptime is None:
-        return None
-    lifetime, _ = colab_vm_lifetime_s()
-    return max(lifetime - COLAB_SAFETY_S - uptime, 0.0)
-
-
 class Budget:
     """A wall-clock deadline for this session, checked before each step.
 
@@ -242,7 +187,7 @@ def process_age_s() -> float:
         with open("/proc/self/stat", encoding="ascii") as handle:
             fields = handle.read().rsplit(")", 1)[1].split()
         started_ticks = int(fields[19])  # field 22 of stat, counted after the command name
-        uptime = vm_uptime_s()
+        uptime = platforms.vm_uptime_s()
         if uptime is None:
             return 0.0
         return max(uptime - started_ticks / os.sysconf("SC_CLK_TCK"), 0.0)

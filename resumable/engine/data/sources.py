@@ -1,6 +1,6 @@
 """Where a run's batches come from, addressed by (epoch, batch index) so a resume starts anywhere in O(1).
 
-Two sources share the :class:`~resumable.engine.sampler.ResumableSampler` order:
+Two sources share the :class:`~resumable.engine.data.sampler.ResumableSampler` order:
 
 * :class:`IndexBatches` calls ``fetch(indices)`` in the training process: the fast path for data that is
   already resident on the device (the built-in MNIST task).

@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .. import log
+from ... import log
 
 
 @runtime_checkable
@@ -126,7 +126,7 @@ def restore_rng(state: dict[str, Any]) -> None:
         return
     if not torch.cuda.is_available():
         # A GPU checkpoint resumed on the CPU: there is no CUDA generator to restore them into. The resume says
-        # once, in its cross-device line (engine/hardware.py), that bit-identity is only promised on one device.
+        # once, in its cross-device line (engine/state/hardware.py), that bit-identity is only promised on one device.
         log.info(f"skipping the checkpoint's {len(cuda_states)} CUDA RNG state(s): CUDA is not available here")
         return
     count = torch.cuda.device_count()

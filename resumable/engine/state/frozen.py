@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from .. import log
-from ..checkpoint.digests import tensor_digest
-from ..errors import ResumableError
+from ... import log
+from ...checkpoint.digests import tensor_digest
+from ...errors import ResumableError
 
 Signature = tuple[int, int, tuple[int, ...], torch.dtype, str]
 
@@ -177,7 +177,7 @@ class FrozenTensors:
         if saved is None or self.model is None:
             return None
         if not isinstance(saved, list) or not all(isinstance(name, str) for name in saved):
-            from ..checkpoint import InvalidCheckpoint
+            from ...checkpoint import InvalidCheckpoint
 
             raise InvalidCheckpoint("its manifest's 'trainable' is not a list of parameter names")
         return saved

@@ -1,7 +1,7 @@
 """What a session runs, as two short digests recorded in its start record (sessions.jsonl): ``code``, the source of
 the script or notebook cells that built and iterated the Run (and defined the model's class), and ``config``, its
-options. The crash-loop check (engine/crashloop.py) only counts failed sessions that ran the same code and config
-as this start: fixing a typo, or changing an option, is a new attempt, not the same failure again."""
+options. The crash-loop check (engine/session/crash_loop.py) only counts failed sessions that ran the same code and
+config as this start: fixing a typo, or changing an option, is a new attempt, not the same failure again."""
 
 from __future__ import annotations
 

@@ -14,9 +14,9 @@ import os
 import time
 from pathlib import Path
 
-from .. import log
-from ..checkpoint import CheckpointInfo, CheckpointManager
-from ..errors import ResumableError
+from ... import log
+from ...checkpoint import CheckpointInfo, CheckpointManager
+from ...errors import ResumableError
 
 SET_ASIDE = "set-aside"
 

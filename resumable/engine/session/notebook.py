@@ -1,6 +1,6 @@
 """Whether training runs in an interactive kernel (a Jupyter/Colab notebook, IPython), where the process is the
 user's kernel: resumable must never end it (a hang raises in the cell instead of exiting 76) and learns from the
-shell how each cell ended (engine/active.py)."""
+shell how each cell ended (engine/session/open_runs.py)."""
 
 from __future__ import annotations
 

@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import log
-from ..errors import EXIT_RESUME
-from .distributed import Distributed
+from ... import log
+from ...distributed import Distributed
+from ...errors import EXIT_RESUME
 
 STOPPED = "stopped.json"  # in the run dir: the planned stop of the newest session under torchelastic
 STOP_MARKER_ENV = "RESUMABLE_STOP_MARKER"  # set by `resumable torchrun`: where each node's launcher looks

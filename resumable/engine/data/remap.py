@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import log
-from ..errors import ResumableError
+from ... import log
+from ...errors import ResumableError
 from .sampler import ResumableSampler
-from .state import TrainState
+from ..state.train_state import TrainState
 
 
 def accept_data_change(info: Any, now: int | None, state: TrainState) -> tuple[int, int] | None:

@@ -13,15 +13,15 @@ from typing import Any
 
 import torch
 
-from .. import log
-from ..config import format_duration
-from ..errors import ResumeNotApplied, SaveFailed, SaveStuck, StateNotLoadable
-from ..reporting.reporters import Reporter
-from .checkpointer import Checkpointer
-from .datacheck import first_batch_problem, source_name
-from .distributed import Distributed, Pending
+from ... import log
+from ...config import format_duration
+from ...distributed import Distributed, Pending
+from ...errors import ResumeNotApplied, SaveFailed, SaveStuck, StateNotLoadable
+from ...reporting.reporters import Reporter
+from ..data.content_check import first_batch_problem, source_name
+from ..data.sampler import ResumableSampler
+from ..state.keeper import StateKeeper
 from .preemption import Budget, StopFlag
-from .sampler import ResumableSampler
 from .triggers import SaveTriggers
 from .watchdog import Watchdog
 
@@ -70,7 +70,7 @@ class Loop:
     commits a checkpoint and ends the generator with an unfinished :attr:`outcome`.
     """
 
-    def __init__(self, session: Checkpointer, sampler: ResumableSampler, plan: LoopPlan, report: Reporter,
+    def __init__(self, session: StateKeeper, sampler: ResumableSampler, plan: LoopPlan, report: Reporter,
                  end_epoch: Callable[[int], dict[str, float]],
                  current_lr: Callable[[], float], device: torch.device,
                  triggers: SaveTriggers | None = None, stop: StopFlag | None = None,
@@ -109,8 +109,8 @@ class Loop:
 
     @contextlib.contextmanager
     def _saving(self) -> Iterator[None]:
-        """The loop blocks on a checkpoint save: watched against the save bound (engine/watchdog.py), and a second
-        stop signal stops at once (engine/preemption.py)."""
+        """The loop blocks on a checkpoint save: watched against the save bound (engine/loop/watchdog.py), and a second
+        stop signal stops at once (engine/loop/preemption.py)."""
         watch = self.watchdog.saving() if self.watchdog is not None else contextlib.nullcontext()
         if self.stop is not None:
             self.stop.saving = True
@@ -381,9 +381,9 @@ class Loop:
         return None
 
     def _check_first_batch(self, epoch: int, index: int, item: Any) -> None:
-        """The data produced what the checkpoint recorded it would (engine/datacheck.py); else ResumeNotApplied,
-        before anything is trained. Each rank checks its own data (under torchrun the launcher ends the others when
-        one fails: no collective here, as a rank without a record would not join it)."""
+        """The data produced what the checkpoint recorded it would (engine/data/content_check.py); else
+        ResumeNotApplied, before anything is trained. Each rank checks its own data (under torchrun the launcher ends
+        the others when one fails: no collective here, as a rank without a record would not join it)."""
         record, self.session.data_next = self.session.data_next, None
         problem = first_batch_problem(record, source_name(self.sampler), epoch, index, item)
         if problem is not None:

@@ -15,20 +15,21 @@ from typing import Any
 
 import torch
 
-from .. import log
-from ..checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, digests, fingerprint
-from ..checkpoint import format as fmt
-from ..checkpoint.memory import PeakMemory
-from ..checkpoint.staging import Staging, default_budget
-from ..checkpoint.tree import map_leaves
-from ..checkpoint.writer import CheckpointWriter
-from ..errors import NothingToResume, ResumableError, SaveFailed
-from ..faults import NO_FAULTS, Faults
-from . import datacheck, determinism, hardware
-from .checks import check_computation
-from .distributed import Distributed
+from ... import log
+from ...checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, digests, fingerprint
+from ...checkpoint import format as fmt
+from ...checkpoint.memory import PeakMemory
+from ...checkpoint.staging import Staging, default_budget
+from ...checkpoint.tree import map_leaves
+from ...checkpoint.writer import CheckpointWriter
+from ...distributed import Distributed
+from ...errors import NothingToResume, ResumableError, SaveFailed
+from ...faults import NO_FAULTS, Faults
+from ..data import content_check
+from . import determinism, hardware
+from .compatibility import check_computation
 from .frozen import FrozenTensors
-from .state import Stateful, TrainState, capture_rng, restore_rng
+from .train_state import Stateful, TrainState, capture_rng, restore_rng
 from .verify import verify_restored
 
 # Payload keys that are not user objects.
@@ -55,14 +56,14 @@ def _check_position(position: Any, manifest: dict[str, Any]) -> None:
                                 f"manifest does not describe this payload (a folder copied or renamed?)")
 
 
-class Checkpointer:
+class StateKeeper:
     """Saves and restores ``objects`` (name → Stateful), the TrainState, module modes and every RNG stream.
 
     ``meta`` is recorded in each manifest (config, dataset identity, computation fields, run id). With an
     asynchronous ``writer``, ``save`` copies the state into the staging memory (``staging_memory`` bytes; the
     part that does not fit is written before it returns) and returns; writing, hashing, fsync, commit and pruning
     happen on the writer's thread. Frozen tensors of the model are left out unless ``store_frozen``
-    (engine/frozen.py). ``before_commit`` runs on the writer's thread just before the checkpoint is committed
+    (engine/state/frozen.py). ``before_commit`` runs on the writer's thread just before the checkpoint is committed
     (e.g. to make logs durable up to this step), ``after_commit(step)`` after it is committed and pruned (e.g. to
     mirror it to Drive). ``protect()`` names steps retention keeps for now (the one being uploaded).
     """
@@ -75,7 +76,7 @@ class Checkpointer:
                  faults: Faults = NO_FAULTS, modules: torch.nn.Module | None = None, store_frozen: bool = False,
                  staging_memory: int | None = None, protect: Callable[[], set[int]] | None = None) -> None:
         if "model" not in objects or "optimizer" not in objects:
-            raise ValueError("a checkpointer needs at least 'model' and 'optimizer' objects")
+            raise ValueError("a keeper needs at least 'model' and 'optimizer' objects")
         self.manager = manager
         self.objects = dict(objects)
         self.state = state
@@ -103,15 +104,15 @@ class Checkpointer:
         self.verified: str | None = None  # what the verification of the last restore checked, and its time
         self.data_next: dict[str, Any] | None = None  # this rank's record of its next batch at the restored step
         # Objects a checkpoint may hold no state for (None): they keep their fresh state. The GradScaler of an AMP
-        # switch (bf16 checkpoint, fp16 session: engine/hardware.py); any other missing state is an error.
+        # switch (bf16 checkpoint, fp16 session: engine/state/hardware.py); any other missing state is an error.
         self.fresh: frozenset[str] = frozenset()
 
     # -- saving ------------------------------------------------------------------------------------
     def _rank_state(self, rng: dict[str, Any] | None = None) -> dict[str, Any]:
         """What differs per rank: RNG streams, counters, and the record of the data this rank reads next
-        (engine/datacheck.py: compared with the first batch after a resume)."""
+        (engine/data/content_check.py: compared with the first batch after a resume)."""
         return {"rng": capture_rng() if rng is None else rng, "counters": self.state.rank_dict(),
-                _DATA_NEXT: datacheck.upcoming(self.objects.get("sampler"), self.state.epoch,
+                _DATA_NEXT: content_check.upcoming(self.objects.get("sampler"), self.state.epoch,
                                                self.state.batch_in_epoch)}
 
     def _modes(self) -> list[bool]:
@@ -283,7 +284,7 @@ class Checkpointer:
             if len(ranks) == world:
                 mine = ranks[rank]
                 record = mine.get(_DATA_NEXT)  # absent in checkpoints before the content check
-                return mine["rng"], mine["counters"], (record if datacheck.valid_record(record) else None)
+                return mine["rng"], mine["counters"], (record if content_check.valid_record(record) else None)
             counters = {name: (sum(r["counters"][name] for r in ranks) if rank == 0 else 0 * ranks[0]["counters"][name])
                         for name in TrainState.per_rank_fields()}
             return ranks[0]["rng"], counters, None

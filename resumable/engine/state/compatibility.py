@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ConfigMismatch
+from ...errors import ConfigMismatch
 
 
 def check_computation(saved: dict[str, Any], current: dict[str, Any], run_dir: str, api: bool,
