@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import io
-import json
 import os
 import pickle
 import shutil
@@ -29,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..atomic import TMP_MARK, create_new, fsync_dir, tmp_path, write_json_atomic  # noqa: F401 - fmt.* for checkpoint/
 from . import paths
 
 FORMAT_NAME = "resumable-checkpoint"
@@ -37,7 +37,6 @@ MANIFEST = "manifest.json"
 PAYLOAD = "state.pt"
 TRAIN_STATE = "train_state"  # the payload entry of the loop's position (step, epoch, batch), which the manifest repeats
 POSITION = ("step", "epoch", "batch_in_epoch")
-TMP_MARK = ".tmp-"
 _CHUNK = 1 << 20
 
 
@@ -62,14 +61,6 @@ def parse_step_dir(name: str) -> int | None:
     return int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 19 else None
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class HashingWriter:
     """File wrapper that hashes bytes as torch.save streams them, so the payload is read once."""
 
@@ -85,18 +76,6 @@ class HashingWriter:
 
     def flush(self) -> None:
         self._handle.flush()
-
-
-def tmp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
-
-
-def create_new(tmp: Path, mode: str) -> io.IOBase:
-    """A new file at ``tmp`` for writing: whatever a killed save (or anyone) left there is unlinked first, and
-    O_EXCL | O_NOFOLLOW make sure the write never goes through a link planted at that name."""
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    return os.fdopen(fd, mode, **({"encoding": "utf-8"} if "b" not in mode else {}))
 
 
 def write_payload(directory: Path, obj: Any, name: str = PAYLOAD) -> dict[str, Any]:
@@ -167,18 +146,6 @@ def write_bytes_atomic(directory: Path, data: bytes, name: str) -> dict[str, Any
         os.fsync(handle.fileno())
     os.replace(tmp, final)
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON so that ``path`` holds either the old or the complete new content, never a mix."""
-    tmp = tmp_path(path)
-    with create_new(tmp, "w") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def sha256_file(path: Path) -> str:

@@ -23,13 +23,13 @@ a checkpoint; ``torch.load`` itself cannot be interrupted, so the bound is notic
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..envvars import env_number
 from . import format as fmt
 from .snapshot import Snapshotter
 
@@ -84,17 +84,7 @@ class StateFormat(Protocol):
 
 
 def load_timeout_from_env() -> float:
-    raw = os.environ.get(LOAD_TIMEOUT_ENV)
-    if raw is None or raw == "":
-        return DEFAULT_LOAD_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{LOAD_TIMEOUT_ENV}={raw!r} is not a number of seconds > 0; unset it for the default "
-                         f"{DEFAULT_LOAD_TIMEOUT_S:.0f}")
-    return value
+    return env_number(LOAD_TIMEOUT_ENV, DEFAULT_LOAD_TIMEOUT_S)
 
 
 class Deadline:

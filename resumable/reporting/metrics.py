@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import log
+from ..atomic import replace_with
 
 METRICS = "metrics.jsonl"
 # Fields that depend on wall-clock time and legitimately differ between runs.
@@ -110,18 +111,7 @@ def scan_jsonl(path: Path, check: Callable[[Any], str | None]) -> JsonlScan:
 def rewrite_jsonl(path: Path, lines: list[bytes]) -> None:
     """Replace ``path`` with ``lines`` atomically (temp file, fsync, rename, fsync of the folder): a kill at
     any instant leaves the old file or the new one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        handle.write(b"".join(line + b"\n" for line in lines))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    replace_with(Path(path), b"".join(line + b"\n" for line in lines))
 
 
 def metric_problem(record: Any) -> str | None:

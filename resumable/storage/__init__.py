@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..envvars import env_number
 from .base import RemoteFile, RemoteStore
 from .gdrive import DriveLocation, GDriveStore, is_drive_url, misspelt_drive_url
 from .mounted import MountedDirStore, is_mounted_drive
@@ -46,7 +47,7 @@ def open_run_location(run_dir: str, cache_dir: str | None = None, credentials: s
                          f"name write ./{run_dir}")
     remote: RemoteStore | None = None
     # pydrive2 has no HTTP timeout by default: a stalled connection would hang training's exit forever.
-    timeout = timeout or float(os.environ.get("RESUMABLE_DRIVE_TIMEOUT", "60"))
+    timeout = timeout or env_number("RESUMABLE_DRIVE_TIMEOUT", 60.0)
     policy = policy or RetryPolicy.from_env()
     local_dir = cache_path(run_dir, cache_dir)
     if is_drive_url(run_dir):
@@ -75,10 +76,9 @@ def cache_path(run_dir: str, cache_dir: str | Path | None = None) -> Path:
 def drive_chunk_size() -> int:
     """The Drive upload chunk size: RESUMABLE_DRIVE_CHUNK_MIB (a multiple of 0.25), 8 MiB by default."""
     text = os.environ.get("RESUMABLE_DRIVE_CHUNK_MIB")
-    if text is None:
-        return DEFAULT_CHUNK
     try:
-        return check_chunk_size(int(float(text) * 1024 * 1024) if float(text) > 0 else -1)
+        mib = env_number("RESUMABLE_DRIVE_CHUNK_MIB", DEFAULT_CHUNK / (1024 * 1024), what="a number of MiB")
+        return check_chunk_size(int(mib * 1024 * 1024))
     except ValueError:
         raise ValueError(f"RESUMABLE_DRIVE_CHUNK_MIB={text!r} is not a positive multiple of 0.25 (Drive takes "
                          f"chunks in multiples of 256 KiB); use e.g. 8") from None

@@ -18,6 +18,7 @@ import stat
 from pathlib import Path
 
 from ..checkpoint import paths
+from ..envvars import env_number
 from .base import CHECKPOINTS, RemoteFile, folder_parts
 from .retry import MissingFile, RetryPolicy, StorageError, TransientStorageError
 
@@ -56,17 +57,7 @@ def _classify(error: BaseException) -> StorageError | None:
 
 
 def _grace_from_env() -> float:
-    raw = os.environ.get(PRUNE_GRACE_ENV)
-    if raw is None:
-        return DEFAULT_PRUNE_GRACE_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:  # also catches nan
-        raise ValueError(f"{PRUNE_GRACE_ENV}={raw!r} is not a number of seconds >= 0; unset it for the default "
-                         f"{DEFAULT_PRUNE_GRACE_S:.0f}")
-    return value
+    return env_number(PRUNE_GRACE_ENV, DEFAULT_PRUNE_GRACE_S, inclusive=True)
 
 
 class MountedDirStore:

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from ..envvars import env_number
+
 T = TypeVar("T")
 
 
@@ -50,8 +52,9 @@ class RetryPolicy:
     @classmethod
     def from_env(cls) -> RetryPolicy:
         """Defaults, with RESUMABLE_RETRY_BASE_S / RESUMABLE_RETRY_ATTEMPTS overriding (tests use short waits)."""
-        return cls(attempts=int(os.environ.get("RESUMABLE_RETRY_ATTEMPTS", cls.attempts)),
-                   base_s=float(os.environ.get("RESUMABLE_RETRY_BASE_S", cls.base_s)))
+        return cls(attempts=int(env_number("RESUMABLE_RETRY_ATTEMPTS", cls.attempts, what="a number of attempts",
+                                           integer=True)),
+                   base_s=env_number("RESUMABLE_RETRY_BASE_S", cls.base_s))
 
     def delay(self, attempt: int) -> float:
         ceiling = min(self.max_s, self.base_s * 2 ** (attempt + 1))

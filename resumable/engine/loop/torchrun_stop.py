@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import log
+from ...atomic import write_json_atomic
 from ...distributed import Distributed
 from ...errors import EXIT_RESUME
 
@@ -69,17 +70,7 @@ def read_planned_stop(path: Path) -> PlannedStop | None:
 
 def write_planned_stop(path: Path, stop: PlannedStop) -> None:
     """Write the marker atomically (temp file, fsync, rename): a reader sees none or all of it."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump(stop.to_json(), handle, indent=2, sort_keys=True)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_json_atomic(Path(path), stop.to_json())
 
 
 def planned(reason: str) -> bool:

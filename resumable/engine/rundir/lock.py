@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import log
+from ...atomic import replace_with
 from ...errors import ResumableError, RunDirInUse
 from ...storage.owner import (
     LockRecord,
@@ -203,15 +204,7 @@ class RunLock:
 
     def _write(self, record: LockRecord) -> None:
         """Replace the record atomically: a reader sees the old one or the new one, never half of one."""
-        tmp = self.dir / f".{LOCK_FILE}.{self.token}"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o644)
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(json.dumps(record.to_json()).encode("utf-8"))
-            os.replace(tmp, self.path)
-        except OSError:
-            tmp.unlink(missing_ok=True)
-            raise
+        replace_with(self.path, json.dumps(record.to_json()).encode("utf-8"), durable=False, tag=self.token)
 
     def _beat(self) -> None:
         failing = False

@@ -8,8 +8,6 @@ other ranks; an error on rank 0 is raised on every rank instead of leaving them 
 
 from __future__ import annotations
 
-import math
-import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +15,7 @@ from pathlib import Path
 from ... import log
 from ...checkpoint import CheckpointInfo, CheckpointManager, checkpoints_dir
 from ...distributed import Distributed
+from ...envvars import env_number
 from ...errors import NothingToResume, ResumableError, RunDirInUse
 from ...reporting.history import SESSIONS, read_sessions
 from ...reporting.metrics import METRICS
@@ -35,17 +34,10 @@ LEASE_HEARTBEAT_ENV = "RESUMABLE_LEASE_HEARTBEAT_S"
 
 
 def lease_heartbeat_s() -> float:
-    raw = os.environ.get(LEASE_HEARTBEAT_ENV)
-    if raw is None:
-        return 60.0
     try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ResumableError(f"{LEASE_HEARTBEAT_ENV}={raw!r} is not a positive number of seconds; unset it for "
-                             f"the default 60")
-    return value
+        return env_number(LEASE_HEARTBEAT_ENV, 60.0)
+    except ValueError as e:
+        raise ResumableError(str(e)) from None
 
 
 @dataclass
