@@ -11,19 +11,17 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_PUBLIC = {
-    "CheckpointManager": "resumable.checkpoint",
-    "StateKeeper": "resumable.engine.state.keeper",
-    "Distributed": "resumable.distributed",
-    "Faults": "resumable.faults",
+_PUBLIC = {  # what training code calls; the engine's parts are imported from their modules
+    "Checkpointing": "resumable.policies",
     "IndexBatches": "resumable.engine.data.sources",
+    "Loader": "resumable.policies",
+    "Location": "resumable.policies",
+    "Reporting": "resumable.policies",
     "ResumableError": "resumable.errors",
     "ResumableSampler": "resumable.engine.data.sampler",
     "Run": "resumable.engine.run",
-    "RunOptions": "resumable.config",
+    "Session": "resumable.policies",
     "Stateful": "resumable.engine.state.train_state",
-    "TrainConfig": "resumable.config",
-    "TrainState": "resumable.engine.state.train_state",
     "init_distributed": "resumable.distributed",
 }
 __all__ = sorted([*_PUBLIC, "__version__"])

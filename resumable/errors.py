@@ -29,13 +29,13 @@ class ResumableError(Exception):
 class ConfigMismatch(ResumableError):
     def __init__(self, field: str, old: Any, new: Any, run_dir: str, api: bool = False) -> None:
         self.field, self.old, self.new = field, old, new
-        advice = ("build the Run with the checkpoint's value, or start a new run dir (or resume='never', "
-                  "overwrite=True to discard it)" if api else
+        advice = ("build the Run with the checkpoint's value, or start a new run dir (or "
+                  "Session(resume='never', overwrite=True) to discard it)" if api else
                   "omit the option to reuse the checkpoint's, or start over with --fresh --overwrite, or use "
                   "another --run-dir")
         if api and field == "num_samples":  # new data arrived between sessions
-            advice = ("to continue this run with the changed dataset pass allow_data_change=True to Run (accepted "
-                      "at an epoch boundary), or start a new run dir")
+            advice = ("to continue this run with the changed dataset pass session=Session(allow_data_change=True) to "
+                      "Run (accepted at an epoch boundary), or start a new run dir")
         super().__init__(f"{field} differs from the checkpoint in {run_dir}: checkpoint {old!r}, now {new!r}. "
                          f"Resuming needs the same value: {advice}.")
 

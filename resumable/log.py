@@ -2,7 +2,7 @@
 
 Messages print as ``resumable: ...`` on standard error (``resumable: warning: ...`` from WARNING up), through
 ``tqdm.write`` so they never tear a progress bar. :data:`SUMMARY` lines (how a session ended) sit between INFO and
-WARNING, so that quiet mode (``--quiet``, ``Run(quiet=True)``) keeps them with the warnings and errors. Under DDP
+WARNING, so that quiet mode (``--quiet``, ``Reporting(quiet=True)``) keeps them with the warnings and errors. Under DDP
 only rank 0 prints, unless a message is marked ``extra={"all_ranks": True}``. Output must never stop training or a
 save: a closed pipe (``| head``), a terminal that went away or a vanished notebook output makes the handler drop the
 message, silently.

@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, get_worker_info
 
+from resumable import Checkpointing, Loader, Reporting, Session
 from resumable.engine.data.stream import DatasetStream
 from resumable.engine.run import Run
 from resumable.engine.state import keeper as checkpointer_module
@@ -100,8 +101,9 @@ def bench_verify(name: str, make_model: Callable[[], nn.Module], inputs: torch.T
         return model, make_optimizer(model, 1e-3, torch.device("cpu"))
 
     def run(model: nn.Module, optimizer: torch.optim.Optimizer, max_steps: int) -> Run:
-        return Run(run_dir, model=model, optimizer=optimizer, data=data, batch_size=batch_size, max_steps=max_steps,
-                   checkpoint_every=None, sync_checkpoints=True, progress=False)
+        return Run(run_dir, model=model, optimizer=optimizer, data=data, batch_size=batch_size,
+                   checkpointing=Checkpointing(every=None, synchronous=True), session=Session(max_steps=max_steps),
+                   reporting=Reporting(progress=False))
 
     model, optimizer = objects()
     train(run(model, optimizer, 2), model, optimizer)
@@ -176,8 +178,9 @@ def bench_replay(consumed: int, workers: int, repeats: int, root: Path) -> str:
         model = nn.Linear(16, 10)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         return (Run(root / f"{kind.__name__}-{consumed}-{workers}", model=model, optimizer=optimizer,
-                    data=kind(STREAM_SIZE), batch_size=BATCH, num_workers=workers, max_steps=max_steps,
-                    checkpoint_every=None, sync_checkpoints=True, progress=False), model, optimizer)
+                    data=kind(STREAM_SIZE), batch_size=BATCH, loader=Loader(num_workers=workers),
+                    checkpointing=Checkpointing(every=None, synchronous=True), session=Session(max_steps=max_steps),
+                    reporting=Reporting(progress=False)), model, optimizer)
 
     resumes: dict[type[Samples], list[float]] = {}
     replays: list[float] = []  # seconds of each replay, as the replay warning reports them

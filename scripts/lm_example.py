@@ -145,9 +145,12 @@ def main(argv: list[str] | None = None) -> int:
 
     run = resumable.Run(args.run_dir, model=model, optimizer=optimizer, scheduler=scheduler,
                         data=ByteWindows(files, args.block), batch_size=args.batch_size, epochs=args.epochs,
-                        accumulate=args.accumulate, max_steps=args.max_steps, num_workers=args.num_workers,
-                        checkpoint_steps=args.checkpoint_steps, log_every=args.log_every, progress=False,
-                        config={"files": len(files), "block": args.block, "lora": args.lora})
+                        accumulate=args.accumulate,
+                        config={"files": len(files), "block": args.block, "lora": args.lora},
+                        loader=resumable.Loader(num_workers=args.num_workers),
+                        checkpointing=resumable.Checkpointing(steps=args.checkpoint_steps),
+                        session=resumable.Session(max_steps=args.max_steps),
+                        reporting=resumable.Reporting(log_every=args.log_every, progress=False))
     for _epoch, _step, (x, y) in run:
         x, y = x.to(device), y.to(device)
         with torch.autocast(device, dtype=torch.bfloat16):

@@ -62,8 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     try:
         run = resumable.Run(args.run_dir, model=model, optimizer=optimizer, data=data, batch_size=8,
-                            epochs=args.epochs, max_steps=args.max_steps, checkpoint_steps=args.checkpoint_steps,
-                            checkpoint_every=None, store_frozen=args.store_frozen, progress=False, seed=3)
+                            epochs=args.epochs, seed=3,
+                            checkpointing=resumable.Checkpointing(steps=args.checkpoint_steps, every=None,
+                                                                  store_frozen=args.store_frozen),
+                            session=resumable.Session(max_steps=args.max_steps),
+                            reporting=resumable.Reporting(progress=False))
         for _epoch, _step, (batch,) in run:
             loss = model(input_ids=batch, labels=batch).loss  # the model shifts the labels itself
             optimizer.zero_grad()

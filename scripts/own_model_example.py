@@ -90,9 +90,12 @@ def main(argv: list[str] | None = None) -> int:
 
     # --- the resumable part: a Run instead of a DataLoader and `for epoch in range(...)` ---
     run = resumable.Run(args.run_dir, model=model, optimizer=optimizer, scheduler=scheduler, data=train_set,
-                        batch_size=32, epochs=args.epochs, num_workers=args.num_workers, evaluate=evaluate,
-                        accumulate=args.accumulate, max_steps=args.max_steps, checkpoint_steps=args.checkpoint_steps,
-                        tensorboard=args.tensorboard, log_every=args.log_every, progress=False)
+                        batch_size=32, epochs=args.epochs, evaluate=evaluate, accumulate=args.accumulate,
+                        loader=resumable.Loader(num_workers=args.num_workers),
+                        checkpointing=resumable.Checkpointing(steps=args.checkpoint_steps),
+                        session=resumable.Session(max_steps=args.max_steps),
+                        reporting=resumable.Reporting(tensorboard=args.tensorboard, log_every=args.log_every,
+                                                      progress=False))
     for _epoch, _step, (x, y) in run:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp == "bf16"):
             logits = model(x)

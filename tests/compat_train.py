@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from resumable import Run
+from resumable import Checkpointing, Reporting, Run, Session
 
 
 def train(run_dir: Path, max_steps: int | None = None) -> Run:
@@ -26,9 +26,9 @@ def train(run_dir: Path, max_steps: int | None = None) -> Run:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g))
-    run = Run(run_dir, model=model, optimizer=optimizer, scheduler=scheduler, data=data, batch_size=8, epochs=2,
-              max_steps=max_steps, checkpoint_steps=5, checkpoint_every=None, sync_checkpoints=True, log_every=1,
-              progress=False, seed=7)
+    run = Run(run_dir, model=model, optimizer=optimizer, scheduler=scheduler, data=data, batch_size=8, epochs=2, seed=7,
+              checkpointing=Checkpointing(steps=5, every=None, synchronous=True), session=Session(max_steps=max_steps),
+              reporting=Reporting(log_every=1, progress=False))
     for _, _, (x, y) in run:
         loss = torch.nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad()

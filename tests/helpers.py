@@ -120,3 +120,36 @@ def rewrite_payload(step_dir: Path, change) -> dict[str, Any]:  # noqa: ANN001 -
                     fingerprint_version=written.fingerprint_version)
     (step_dir / fmt.MANIFEST).write_text(json.dumps(seal(manifest)))
     return state
+
+
+def policies(run_dir: Any = None, **flat: Any) -> dict[str, Any]:
+    """Flat option names (``max_steps=3, checkpoint_steps=2, progress=False``...) as the Run's policy keyword
+    arguments (``session=Session(max_steps=3)``...): tests combine many options through their helpers; training code
+    writes the records themselves. With ``run_dir`` it is one of them too, a Location when Drive options
+    (``cache_dir``, ``drive_credentials``, ``drive_flush_timeout``) are given."""
+    from resumable.policies import Checkpointing, Loader, Location, Reporting, Session
+
+    names = {
+        "loader": (Loader, {"shuffle": "shuffle", "drop_last": "drop_last", "num_workers": "num_workers",
+                            "collate_fn": "collate_fn", "pin_memory": "pin_memory", "loader_options": "options"}),
+        "checkpointing": (Checkpointing, {"checkpoint_every": "every", "checkpoint_steps": "steps", "keep": "keep",
+                                          "keep_best": "keep_best", "mtbf": "mtbf",
+                                          "sync_checkpoints": "synchronous", "on_save_error": "on_error",
+                                          "store_frozen": "store_frozen", "shard_size": "shard_size",
+                                          "staging_memory": "staging_memory"}),
+        "session": (Session, {k: k for k in ("resume", "overwrite", "resume_from", "allow_data_change",
+                                             "ignore_crash_loop", "max_steps", "time_limit", "hang_timeout")}),
+        "reporting": (Reporting, {k: k for k in ("progress", "quiet", "log_every", "tensorboard", "wandb")}),
+    }
+    out: dict[str, Any] = {}
+    where = {new: flat.pop(old) for old, new in (("cache_dir", "cache_dir"), ("drive_credentials", "credentials"),
+                                                 ("drive_flush_timeout", "flush_timeout")) if old in flat}
+    if run_dir is not None:
+        out["run_dir"] = Location(run_dir, **where) if where else run_dir
+    elif where:
+        raise TypeError(f"{sorted(where)} need the run_dir: policies(run_dir=..., ...)")
+    for keyword, (record, fields) in names.items():
+        given = {fields[k]: flat.pop(k) for k in list(flat) if k in fields}
+        if given:
+            out[keyword] = record(**given)
+    return {**flat, **out}  # the rest (epochs, tracker, objects...) as they are

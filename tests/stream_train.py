@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from helpers import policies
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import resumable
@@ -126,8 +127,8 @@ def main(argv: list[str]) -> int:
     else:
         data = {"plain": Plain, "stateful": Stateful}[kind]()
     run = resumable.Run(run_dir, model=model, optimizer=optimizer, scheduler=scheduler, data=data, batch_size=8,
-                        epochs=2, checkpoint_steps=3, log_every=1, max_steps=max_steps, progress=False,
-                        sync_checkpoints=True, **options)  # synchronous: the step a kill resumes from is exact
+                        epochs=2, **policies(checkpoint_steps=3, log_every=1, max_steps=max_steps, progress=False,
+                                             sync_checkpoints=True, **options))  # synchronous: a kill's step is exact
     for _epoch, _step, batch in run:
         loss = F.cross_entropy(model(batch["x"], batch["mask"]), batch["y"])
         optimizer.zero_grad()

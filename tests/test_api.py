@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import env, final_fingerprint, records
+from helpers import env, final_fingerprint, policies, records
 
-from resumable import Run
+from resumable import Loader, Run
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.checkpoint import format as fmt
 from resumable.errors import RunDirInUse
@@ -85,10 +85,11 @@ if __name__ == "__main__":  # spawned loader workers import this file too
     # spawned workers start with Python's own SIGINT handling (forked ones inherit the parent's handlers);
     # a step of 16 micro-batches needs more batches after the Ctrl-C than the workers had prefetched
     workers = int(sys.argv[2])  # the reference reads the same batches in this process
+    options = {"multiprocessing_context": "spawn", "persistent_workers": True} if workers else {}
     run = resumable.Run(sys.argv[1], model=model, optimizer=optimizer, data=data, batch_size=8, epochs=2,
-                        accumulate=16, checkpoint_steps=1, num_workers=workers, progress=False,
-                        loader_options={"multiprocessing_context": "spawn", "persistent_workers": True}
-                        if workers else None)
+                        accumulate=16, checkpointing=resumable.Checkpointing(steps=1),
+                        loader=resumable.Loader(num_workers=workers, options=options),
+                        reporting=resumable.Reporting(progress=False))
     for epoch, step, (x, y) in run:
         loss = torch.nn.functional.cross_entropy(model(x), y) / 16
         loss.backward()
@@ -172,8 +173,8 @@ def _tiny_run(run_dir: Path, **options) -> Run:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     data = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,)))
-    return Run(run_dir, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data,
-               batch_size=8, epochs=2, progress=False, **options)
+    return Run(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data,
+               batch_size=8, epochs=2, **policies(run_dir=run_dir, progress=False, **options))
 
 
 def test_an_exception_in_the_loop_leaves_a_resumable_run(tmp_path: Path) -> None:
@@ -235,7 +236,8 @@ def test_bad_data_and_options_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="can be read only once"):
         Run(tmp_path, model=model, optimizer=optimizer, data=iter([1, 2]), batch_size=2)
     with pytest.raises(ValueError, match="shuffle= is decided by resumable"):
-        Run(tmp_path, model=model, optimizer=optimizer, data=[1, 2], batch_size=2, loader_options={"shuffle": True})
+        Run(tmp_path, model=model, optimizer=optimizer, data=[1, 2], batch_size=2,
+            loader=Loader(options={"shuffle": True}))
     with pytest.raises(ValueError, match="epochs"):
         Run(tmp_path, model=model, optimizer=optimizer, data=[1, 2], batch_size=2, epochs=0)
     assert not (tmp_path / "checkpoints").exists()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import env, records, run
 
-from resumable import Run, platforms
+from resumable import Location, Reporting, Run, platforms
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.config import TrainConfig
 from resumable.distributed import Distributed
@@ -122,8 +122,9 @@ def test_run_refuses_a_misspelt_drive_url_and_creates_nothing(tmp_path: Path, mo
     monkeypatch.chdir(tmp_path)
     model = torch.nn.Linear(4, 2)
     data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
-    run = Run(typed, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data, batch_size=4,
-              progress=False, cache_dir=str(tmp_path / "cache"))
+    run = Run(Location(typed, cache_dir=str(tmp_path / "cache")), model=model,
+              optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data, batch_size=4,
+              reporting=Reporting(progress=False))
     with pytest.raises(ResumableError, match=f"looks like a Google Drive URL: write {right} "):
         for _ in run:
             pass

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import final_fingerprint
+from helpers import final_fingerprint, policies
 
 from resumable import Run
 from resumable.cli import train_command
@@ -57,8 +57,8 @@ def _tiny(run_dir: Path, fail_at: int | None, **options) -> Run:  # noqa: ANN003
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
-    run = Run(run_dir, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=1, progress=False,
-              checkpoint_steps=4, **options)
+    run = Run(run_dir, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=1,
+              **policies(progress=False, checkpoint_steps=4, **options))
     for _epoch, step, (x, y) in run:
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from helpers import env, final_fingerprint, records
 
-from resumable import Run
+from resumable import Checkpointing, Loader, Reporting, Run, Session
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.errors import ResumeNotApplied
 from resumable.faults import Faults
@@ -77,9 +77,10 @@ def _train(run_dir: Path, data: object, workers: int, max_steps: int | None = No
     torch.manual_seed(0)
     model = stream_train.Model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    run = Run(run_dir, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=1, checkpoint_steps=3,
-              max_steps=max_steps, progress=False, sync_checkpoints=True, num_workers=workers,
-              collate_fn=stream_train.pad)
+    run = Run(run_dir, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=1,
+              loader=Loader(num_workers=workers, collate_fn=stream_train.pad),
+              checkpointing=Checkpointing(steps=3, synchronous=True), session=Session(max_steps=max_steps),
+              reporting=Reporting(progress=False))
     with contextlib.redirect_stderr(io.StringIO()):
         for _epoch, _step, batch in run:
             loss = F.cross_entropy(model(batch["x"], batch["mask"]), batch["y"])

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import policies
 
 from resumable import Run
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
@@ -25,8 +26,8 @@ def _train(run_dir: Path, **options) -> Run:
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 3))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     data = torch.utils.data.TensorDataset(torch.randn(64, 6), torch.randint(0, 3, (64,)))
-    run = Run(run_dir, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=2, progress=False,
-              checkpoint_steps=3, checkpoint_every=None, **options)
+    run = Run(run_dir, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=2,
+              **policies(progress=False, checkpoint_steps=3, checkpoint_every=None, **options))
     for _, _, (x, y) in run:
         loss = torch.nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad()

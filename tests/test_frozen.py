@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import policies
 
 from resumable import Run
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
@@ -34,8 +35,8 @@ def _run(run_dir: Path, nudge_at: int | None = None, **options) -> Run:
     model = Net()
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01)
     data = torch.utils.data.TensorDataset(torch.randint(0, 50, (48, 5)), torch.randint(0, 2, (48,)))
-    run = Run(run_dir, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=2, progress=False,
-              checkpoint_steps=2, checkpoint_every=None, **options)
+    run = Run(run_dir, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=2,
+              **policies(progress=False, checkpoint_steps=2, checkpoint_every=None, **options))
     for _, step, (tokens, labels) in run:
         loss = torch.nn.functional.cross_entropy(model(tokens), labels)
         optimizer.zero_grad()

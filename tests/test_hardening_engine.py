@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import command, env
+from helpers import command, env, policies
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.checkpoint import format as fmt
@@ -33,8 +33,8 @@ def tiny_run(run_dir: Path, size: int = 40, **options):
     model = torch.nn.Linear(4, 2)
     data = torch.utils.data.TensorDataset(torch.randn(size, 4), torch.randint(0, 2, (size,)))
     defaults = {"batch_size": 8, "epochs": 2, "progress": False}
-    return Run(run_dir, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data,
-               **{**defaults, **options})
+    return Run(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data,
+               **policies(run_dir=run_dir, **{**defaults, **options}))
 
 
 def train(run, body=None):

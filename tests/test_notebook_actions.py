@@ -34,8 +34,9 @@ model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(3
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 """
 RUN = """
-run = resumable.Run(RUN_DIR, model=model, optimizer=optimizer, data=data, batch_size=16, epochs=2, progress=False,
-                    num_workers=NUM_WORKERS, checkpoint_steps=4, hang_timeout=HANG)
+run = resumable.Run(RUN_DIR, model=model, optimizer=optimizer, data=data, batch_size=16, epochs=2,
+                    loader=resumable.Loader(num_workers=NUM_WORKERS), checkpointing=resumable.Checkpointing(steps=4),
+                    session=resumable.Session(hang_timeout=HANG), reporting=resumable.Reporting(progress=False))
 """
 LOOP = """
 for epoch, step, (x, y) in run:

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import policies
 
-from resumable import Run
+from resumable import Loader, Reporting, Run
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.checkpoint.snapshot import Snapshotter
 from resumable.errors import ResumableError, RunDirInUse
@@ -40,8 +41,8 @@ def tiny_run(run_dir: Path, **options) -> Run:
     model = TinyNet()
     data = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,)))
     defaults = {"batch_size": 8, "epochs": 2, "progress": False}
-    return Run(run_dir, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data,
-               **{**defaults, **options})
+    return Run(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data,
+               **policies(run_dir=run_dir, **{**defaults, **options}))
 
 
 def train(run: Run, body=None) -> Run:
@@ -291,7 +292,8 @@ def test_persistent_workers_persist_across_epochs_and_change_nothing(tmp_path: P
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         pids: list[set[int]] = []
         resumable_run = Run(run_dir, model=model, optimizer=optimizer, data=PidData(), batch_size=6, epochs=3,
-                            num_workers=1, loader_options={"persistent_workers": persistent}, progress=False)
+                            loader=Loader(num_workers=1, options={"persistent_workers": persistent}),
+                            reporting=Reporting(progress=False))
         for epoch, _step, (x, pid) in resumable_run:
             if len(pids) <= epoch:
                 pids.append(set())

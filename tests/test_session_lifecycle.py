@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import final_fingerprint
+from helpers import final_fingerprint, policies
 
 from resumable import Run
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
+from resumable.engine.run import ToolHooks
 from resumable.engine.session import notebook
 from resumable.errors import ResumableError, ResumeNotApplied, StopNow
 from resumable.faults import Faults, held_marker
@@ -31,9 +32,10 @@ def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.
     return model, torch.optim.Adam(model.parameters(), lr=0.01), data
 
 
-def make_run(run_dir: Path, model, optimizer, data, **options) -> Run:  # noqa: ANN001
+def make_run(run_dir: Path, model, optimizer, data, faults: Faults | None = None, **options) -> Run:  # noqa: ANN001
     defaults = {"batch_size": 8, "epochs": 2, "progress": False, "checkpoint_steps": 4}
-    return Run(run_dir, model=model, optimizer=optimizer, data=data, **{**defaults, **options})
+    run = Run(run_dir, model=model, optimizer=optimizer, data=data, **policies(**{**defaults, **options}))
+    return run._for_tool(ToolHooks(faults=faults)) if faults is not None else run
 
 
 def train(run: Run, model, optimizer, fail_at: int = -1) -> Run:  # noqa: ANN001

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import final_fingerprint
+from helpers import final_fingerprint, policies
 
-from resumable import Run
+from resumable import Checkpointing, Reporting, Run, Session
 from resumable.checkpoint import CheckpointManager, checkpoints_dir, manifest
 from resumable.checkpoint import format as fmt
 from resumable.checkpoint.manifest import seal
@@ -41,8 +41,8 @@ def tiny(run_dir: Path, tracker: Tracker, numpy_from: int | None = None, epochs:
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
-    run = Run(run_dir, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=epochs, progress=False,
-              checkpoint_steps=2, objects={"tracker": tracker}, **options)
+    run = Run(run_dir, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=epochs,
+              objects={"tracker": tracker}, **policies(progress=False, checkpoint_steps=2, **options))
     for _epoch, step, (x, y) in run:
         optimizer.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -86,8 +86,9 @@ def unfreezing(run_dir: Path, max_steps: int | None = None) -> Run:
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)  # every parameter; the frozen ones get no gradient
     g = torch.Generator().manual_seed(3)
     data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.randint(0, 2, (64,), generator=g))
-    run = Run(run_dir, model=model, optimizer=optimizer, data=data, batch_size=16, epochs=3, progress=False,
-              checkpoint_steps=2, max_steps=max_steps)
+    run = Run(run_dir, model=model, optimizer=optimizer, data=data, batch_size=16, epochs=3,
+              checkpointing=Checkpointing(steps=2), session=Session(max_steps=max_steps),
+              reporting=Reporting(progress=False))
     for epoch, _step, (x, y) in run:
         if epoch >= 1:
             model.backbone.requires_grad_(True)
@@ -121,8 +122,9 @@ def test_a_resume_keeps_no_view_of_a_checkpoint_file(tmp_path: Path) -> None:
         model = torch.nn.Linear(64, 64)
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
         data = torch.utils.data.TensorDataset(torch.randn(64, 64), torch.randint(0, 64, (64,)))
-        run = Run(tmp_path, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=4, progress=False,
-                  checkpoint_steps=2, keep=1, keep_best=False, max_steps=max_steps)
+        run = Run(tmp_path, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=4,
+                  checkpointing=Checkpointing(steps=2, keep=1, keep_best=False), session=Session(max_steps=max_steps),
+                  reporting=Reporting(progress=False))
         for _epoch, _step, (x, y) in run:
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -196,8 +198,9 @@ def test_with_keep_2_or_more_no_single_damaged_file_invalidates_every_kept_check
     model = WithConstant()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
-    run = Run(tmp_path, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=1, progress=False,
-              checkpoint_steps=1, keep=keep, keep_best=False, shard_size="4KB")
+    run = Run(tmp_path, model=model, optimizer=optimizer, data=data, batch_size=8, epochs=1,
+              checkpointing=Checkpointing(steps=1, keep=keep, keep_best=False, shard_size="4KB"),
+              reporting=Reporting(progress=False))
     for _epoch, _step, (x, y) in run:
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model.layer(x), y).backward()

@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import env, final_fingerprint, records
 
-from resumable import Run
+from resumable import Loader, Reporting, Run
 from resumable.errors import ResumableError
 from resumable.faults import Faults
 
@@ -105,12 +105,12 @@ def test_an_iterator_or_a_stream_under_the_wrong_options_is_refused(tmp_path: Pa
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="sampler= is decided by resumable"):
         Run(tmp_path, model=model, optimizer=optimizer, data=stream_train.Stateful(), batch_size=4,
-            loader_options={"sampler": []})
+            loader=Loader(options={"sampler": []}))
     loader = torch.utils.data.DataLoader(stream_train.Stateful(), batch_size=4)
     with pytest.raises(ValueError, match="batch_size=8 but the loader makes batches of 4"):
         Run(tmp_path, model=model, optimizer=optimizer, data=loader, batch_size=8)
     with pytest.raises(ValueError, match="num_workers belong to it"):
-        Run(tmp_path, model=model, optimizer=optimizer, data=loader, batch_size=4, num_workers=2)
+        Run(tmp_path, model=model, optimizer=optimizer, data=loader, batch_size=4, loader=Loader(num_workers=2))
 
 
 def test_resuming_with_other_workers_names_the_difference(tmp_path: Path) -> None:
@@ -123,5 +123,5 @@ def test_the_progress_bar_runs_before_the_stream_length_is_known(tmp_path: Path)
     model = stream_train.Model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     run = Run(tmp_path, model=model, optimizer=optimizer, data=stream_train.Stateful(), batch_size=8, epochs=1,
-              collate_fn=stream_train.pad, progress=True)
+              loader=Loader(collate_fn=stream_train.pad), reporting=Reporting(progress=True))
     assert sum(1 for _ in run) == 15 and run.finished

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from resumable import Run
+from resumable import Checkpointing, Reporting, Run, Session
 from resumable.errors import ResumeNotApplied
 
 DATA = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
@@ -36,9 +36,9 @@ def _train(run_dir: Path, model: torch.nn.Module | None = None, *, max_steps: in
     model = model or Net()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     scheduler = (scheduler_class or torch.optim.lr_scheduler.StepLR)(optimizer, 2, 0.5)
-    run = Run(run_dir, model=model, optimizer=optimizer, scheduler=scheduler if pass_scheduler else None,
-              scaler=scaler, data=DATA, batch_size=8, epochs=2, checkpoint_steps=2, max_steps=max_steps,
-              progress=False)
+    run = Run(run_dir, model=model, optimizer=optimizer, scheduler=scheduler if pass_scheduler else None, scaler=scaler,
+              data=DATA, batch_size=8, epochs=2, checkpointing=Checkpointing(steps=2),
+              session=Session(max_steps=max_steps), reporting=Reporting(progress=False))
     if recreate_optimizer:  # the planted bug: the Run restores into the first optimizer, training uses this one
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     for _epoch, _step, (x, y) in run:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import command, env, run
+from helpers import command, env, policies, run
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.checkpoint import format as fmt
@@ -186,7 +186,7 @@ def _api_run(run_dir: Path, loss_scale: float = 1.0, **options):
     model = torch.nn.Linear(4, 2)
     data = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,)))
     run = Run(run_dir, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=data,
-              batch_size=8, progress=False, log_every=1, checkpoint_steps=2, **options)
+              batch_size=8, **policies(progress=False, log_every=1, checkpoint_steps=2, **options))
     for _epoch, _step, (x, y) in run:
         loss = torch.nn.functional.cross_entropy(model(x), y) * loss_scale
         run.optimizer.zero_grad()

@@ -3,7 +3,8 @@
 ::
 
     run = resumable.Run("runs/mine", model=model, optimizer=optimizer, scheduler=scheduler,
-                        data=train_set, batch_size=64, epochs=10, num_workers=2, evaluate=evaluate)
+                        data=train_set, batch_size=64, epochs=10, evaluate=evaluate,
+                        loader=resumable.Loader(num_workers=2))
     for epoch, step, (x, y) in run:          # resumes from the newest valid checkpoint, if any
         loss = F.cross_entropy(model(x), y)
         optimizer.zero_grad()
@@ -25,7 +26,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +36,11 @@ from .. import log
 from ..checkpoint import CheckpointManager, checkpoints_dir, describe_age
 from ..checkpoint.sharded import ShardedFormat
 from ..checkpoint.writer import CheckpointWriter, SaveStats
-from ..config import DURATION_MAX_S, RunOptions, format_duration
+from ..config import DURATION_MAX_S, format_duration
 from ..distributed import Distributed
 from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME, Hung, ResumableError, StopNow
 from ..faults import Faults
+from ..policies import Checkpointing, Loader, Location, Reporting, Session, location_of, to_options
 from ..reporting.history import SessionLog
 from ..reporting.metrics import METRICS, MetricsLog
 from ..reporting.reporters import (
@@ -82,79 +84,71 @@ def tracker_of(tracker: Any, project: str | None) -> Any:
     return tracker
 
 
+@dataclass(frozen=True)
+class ToolHooks:
+    """What tools built on the engine change about a Run (see :meth:`Run._for_tool`); not for training scripts."""
+
+    computation: Mapping[str, Any] | None = None
+    settings: Mapping[str, Any] | None = None
+    prepared: tuple[RunDir, Choice] | None = None
+    faults: Faults | None = None
+    amp_switch: Mapping[str, Any] | None = None
+
+
 class Run:
     """A resumable training run over ``data`` (see the module docstring for the loop).
 
     Iterating yields ``(epoch, step, batch)``: ``epoch`` counts from 0 and ``step`` is the number of optimizer
     steps done before this batch (so it is also the 0-based index of the step the batch belongs to).
 
-    ``data`` is a map-style ``Dataset`` (loaded through a ``DataLoader`` with ``num_workers``, ``collate_fn``,
-    ``pin_memory`` and any other ``loader_options``), :class:`resumable.IndexBatches` for tensors already on
-    the device, or iterable data (an ``IterableDataset``, e.g. Hugging Face ``datasets`` streaming, or a loader
-    such as torchdata's ``StatefulDataLoader``; an epoch ends when it is exhausted: see engine/data/stream.py).
-    ``evaluate()`` runs after each epoch and returns metrics (``test_acc`` picks the best
-    checkpoint); the model's train/eval modes are restored after it. ``objects`` adds more ``Stateful`` things
-    to checkpoint (an EMA, a custom sampler, a ``torch``/``numpy``/``random`` generator...).
-    ``accumulate=K`` makes a step K micro-batches: call ``optimizer.step()`` when ``run.sync_step`` is true;
-    checkpoints are only taken between steps. ``config`` (JSON-able) is recorded and must match on resume.
-    ``resume``: ``auto`` (default) continues from the newest valid checkpoint, ``must`` requires one,
-    ``never`` starts over (``overwrite=True`` discards existing checkpoints). ``allow_data_change=True``
-    continues a run whose dataset changed length since the checkpoint, at an epoch boundary. ``resume_from=STEP``
-    continues from that checkpoint instead of the newest (engine/rundir/rewind.py); ``ignore_crash_loop=True`` starts
-    even when the last sessions all failed from the same step (engine/session/crash_loop.py: otherwise
-    :class:`CrashLoop`, exit 77). ``hang_timeout`` (``"auto"``, a duration or ``"off"``): engine/loop/watchdog.py. Other
-    keyword arguments are :class:`~resumable.config.RunOptions` (``max_steps``, ``checkpoint_every="5m"``,
-    ``checkpoint_steps``, ``time_limit``, ``keep``, ``tensorboard``, ``cache_dir``...). ``tracker="wandb"`` (or
-    ``wandb="project"``) logs the records to one Weights & Biases run across sessions; a W&B run object is logged to as
-    it is (reporting/wandb.py).
+    ``data`` is a map-style ``Dataset`` (loaded through a ``DataLoader``: ``loader=Loader(num_workers=2, ...)``),
+    :class:`resumable.IndexBatches` for tensors already on the device, or iterable data (an ``IterableDataset``, e.g.
+    Hugging Face ``datasets`` streaming, or a loader such as torchdata's ``StatefulDataLoader``; an epoch ends when
+    it is exhausted: see engine/data/stream.py). ``evaluate()`` runs after each epoch and returns metrics
+    (``test_acc`` picks the best checkpoint); the model's train/eval modes are restored after it. ``objects`` adds
+    more ``Stateful`` things to checkpoint (an EMA, a custom sampler, a ``torch``/``numpy``/``random``
+    generator...). ``accumulate=K`` makes a step K micro-batches: call ``optimizer.step()`` when ``run.sync_step``
+    is true; checkpoints are only taken between steps. ``config`` (JSON-able) is recorded and must match on resume.
+    ``amp`` (none, bf16, fp16) is the autocast dtype the loop uses, recorded in each manifest as ``amp_dtype``.
+    ``tracker="wandb"`` (or ``Reporting(wandb="project")``) logs the records to one Weights & Biases run across
+    sessions; a W&B run object is logged to as it is (reporting/wandb.py).
 
-    For tools built on the engine (``resumable-train``): ``computation`` replaces what a checkpoint must
-    match, ``settings`` what each manifest records as the run's options, ``prepared`` an already opened
-    run dir and its choice of checkpoint, and ``faults`` injects faults on purpose (default: none, or those
-    ``resumable chaos`` hands a child process). ``amp`` (none, bf16, fp16) is the autocast dtype the loop uses,
-    recorded in each manifest as ``amp_dtype``; ``amp_switch`` (``{"from": "bf16", "to": "fp16", "why": ...}``)
-    accepts that one change of the computation's ``amp`` from the checkpoint's, starts a GradScaler the checkpoint
-    lacks fresh, and records the switch in ``sessions.jsonl`` (engine/state/hardware.py: ``--amp auto`` on a GPU
-    without native bf16).
+    The policies (resumable/policies.py), each optional: ``run_dir`` is a path or a :class:`Location` (a Drive
+    run dir's cache and credentials); ``loader=Loader(...)`` how a map-style dataset is loaded;
+    ``checkpointing=Checkpointing(every="5m", steps=None, keep=3, ...)`` when to save and what to keep;
+    ``session=Session(resume="auto", max_steps=None, time_limit=None, hang_timeout="auto", ...)`` how this session
+    starts and when it stops; ``reporting=Reporting(progress=True, ...)`` what is printed and logged.
     """
 
-    def __init__(self, run_dir: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 data: Any, batch_size: int, epochs: int = 1, seed: int = 0,
+    def __init__(self, run_dir: str | Path | Location, *, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, data: Any, batch_size: int, epochs: int = 1, seed: int = 0,
                  scheduler: Stateful | None = None, scaler: Stateful | None = None,
                  objects: Mapping[str, Any] | None = None,
                  evaluate: Callable[[], Mapping[str, float]] | None = None, accumulate: int = 1,
-                 shuffle: bool = True, drop_last: bool = False, num_workers: int = 0,
-                 collate_fn: Callable | None = None, pin_memory: bool = False,
-                 loader_options: Mapping[str, Any] | None = None, device: torch.device | str | None = None,
-                 config: Mapping[str, Any] | None = None, resume: str = "auto", overwrite: bool = False,
-                 computation: Mapping[str, Any] | None = None, settings: Mapping[str, Any] | None = None,
-                 prepared: tuple[RunDir, Choice] | None = None, faults: Faults | None = None,
-                 amp: str | None = None, amp_switch: Mapping[str, Any] | None = None,
-                 allow_data_change: bool = False, resume_from: int | None = None, ignore_crash_loop: bool = False,
-                 tracker: Any = None, **options: Any) -> None:
-        if resume not in ("auto", "must", "never"):
-            raise ValueError(f"resume={resume!r} must be auto, must or never")
+                 config: Mapping[str, Any] | None = None, device: torch.device | str | None = None,
+                 amp: str | None = None, tracker: Any = None, loader: Loader | None = None,
+                 checkpointing: Checkpointing | None = None, session: Session | None = None,
+                 reporting: Reporting | None = None) -> None:
         if accumulate < 1:
             raise ValueError(f"accumulate={accumulate} must be at least 1")
-        self.run_dir = str(run_dir)
-        self.options = RunOptions(epochs=epochs, **options)
+        location = location_of(run_dir)
+        loader, session = loader or Loader(), session or Session()
+        self.run_dir = location.path
+        self.options = to_options(epochs, location, checkpointing or Checkpointing(), session,
+                                  reporting or Reporting())
         self._tracker = tracker_of(tracker, self.options.wandb)  # None, "wandb" or a W&B run object
         self.model = model
         self.optimizer = optimizer
-        loader = {"num_workers": num_workers, "collate_fn": collate_fn, "pin_memory": pin_memory,
-                  **(loader_options or {})}
         self.dist = Distributed.current()  # torchrun: the user (or resumable-train) initialised the group
         log.set_rank(self.dist.rank)
-        self.source, self.sampler, size = as_source(data, {k: v for k, v in loader.items() if v is not None},
-                                                    batch_size, seed, shuffle, drop_last, self.dist)
-        self.sampler.allow_size_change = self.allow_data_change = allow_data_change
+        self.source, self.sampler, size = as_source(data, loader.loader_options(), batch_size, seed, loader.shuffle,
+                                                    loader.drop_last, self.dist)
+        self.sampler.allow_size_change = self.allow_data_change = session.allow_data_change
         self.data_change: tuple[int, int] | None = None  # (checkpoint's, now) when the dataset changed size
         self.accumulate = accumulate
         self.evaluate = evaluate
         self.device = torch.device(device) if device is not None else device_of(model)
-        self.faults = faults if faults is not None else Faults.from_env()
-        if self.faults.describe():  # never silent: they change what the run does
-            log.warning(f"faults injected on purpose ({self.faults.describe()}): a chaos test, not a normal run")
+        self.faults = Faults.from_env()  # none, or those `resumable chaos` hands a child process
         self._objects: dict[str, Stateful | None] = {"model": plain_module(model), "optimizer": optimizer,
                                                      "scheduler": scheduler, "scaler": scaler,
                                                      "sampler": self.sampler}
@@ -165,25 +159,23 @@ class Run:
             if name in _BUILT_IN:
                 raise ValueError(f"objects={{{name!r}: ...}} clashes with a built-in checkpoint entry; rename it")
             self._objects[name] = as_stateful(name, obj)
-        if computation is None:
-            computation = {"batch_size": batch_size, "seed": seed, "accumulate": accumulate, "num_samples": size,
-                           "shuffle": shuffle, "drop_last": drop_last,
-                           "config": dict(config) if config is not None else None}
+        computation = {"batch_size": batch_size, "seed": seed, "accumulate": accumulate, "num_samples": size,
+                       "shuffle": loader.shuffle, "drop_last": loader.drop_last,
+                       "config": dict(config) if config is not None else None}
         # What a checkpoint must match to be resumed, as JSON will give it back.
-        self.computation: dict[str, Any] = json_value(dict(computation), "config" if config else "computation")
+        self.computation: dict[str, Any] = json_value(computation, "config" if config else "computation")
         # Recorded in every manifest: the options of the run.
-        self.settings: dict[str, Any] = json_value(dict(settings) if settings is not None
-                                                   else {**asdict(self.options), **self.computation}, "settings")
-        self._api = settings is None  # messages for API users, not CLI options
-        self.mode = {"auto": "auto", "must": "resume", "never": "fresh"}[resume]
-        self.overwrite = overwrite
+        self.settings: dict[str, Any] = json_value({**asdict(self.options), **self.computation}, "settings")
+        self._api = True  # messages for API users, not CLI options
+        self.mode = {"auto": "auto", "must": "resume", "never": "fresh"}[session.resume]
+        self.overwrite = session.overwrite
         self.state = TrainState()
         self.outcome: Outcome | None = None
         self._not_durable = False  # the newest committed checkpoint did not reach Drive by the end (exit 74)
         self.sync_step = True  # this micro-batch completes an optimizer step (see accumulate)
         self.end_of_epoch = False  # this batch is the epoch's last (step a per-epoch scheduler here)
         self.resumed_from: int | None = None
-        self._prepared = prepared
+        self._prepared: tuple[RunDir, Choice] | None = None
         self._rundir: RunDir | None = None
         self._keeper: StateKeeper | None = None
         self._mirror: Mirror | None = None
@@ -192,8 +184,8 @@ class Run:
         self._elastic_stop = False  # stopped on purpose under torchelastic (see engine/loop/torchrun_stop.py)
         self._ended_by: str | None = None  # the exception that ended the loop from outside, if any
         self._error: str | None = None  # its type and message
-        self.resume_from, self.ignore_crash_loop = resume_from, ignore_crash_loop
-        self.amp, self.amp_switch = amp, dict(amp_switch) if amp_switch else None
+        self.resume_from, self.ignore_crash_loop = session.resume_from, session.ignore_crash_loop
+        self.amp, self.amp_switch = amp, None
         self._built_in = identity.caller_file(sys._getframe(1))  # the script or notebook cell that built it
         self._loop_file: str | None = None  # ... and the one that iterates it (see engine/session/identity.py)
         self._iterated = False
@@ -201,6 +193,24 @@ class Run:
         self._sessions: SessionLog | None = None
         self._stop: StopFlag | None = None
         self._close_previous()  # the Run cell was run again while the old loop is open
+
+    def _for_tool(self, hooks: ToolHooks) -> Run:
+        """For tools built on the engine (``resumable-train``, chaos, tests), before the loop starts: ``computation``
+        replaces what a checkpoint must match, ``settings`` what each manifest records as the run's options,
+        ``prepared`` an already opened run dir and its choice of checkpoint, ``faults`` injects faults on purpose,
+        and ``amp_switch`` (``{"from": "bf16", "to": "fp16", "why": ...}``) accepts that one change of the
+        computation's ``amp`` from the checkpoint's, starts a GradScaler the checkpoint lacks fresh, and records the
+        switch in ``sessions.jsonl`` (engine/state/hardware.py: ``--amp auto`` on a GPU without native bf16)."""
+        if hooks.computation is not None:
+            self.computation = json_value(dict(hooks.computation), "computation")
+        if hooks.settings is not None:
+            self.settings = json_value(dict(hooks.settings), "settings")
+            self._api = False  # messages name the command line's options
+        self._prepared = hooks.prepared
+        if hooks.faults is not None:
+            self.faults = hooks.faults
+        self.amp_switch = dict(hooks.amp_switch) if hooks.amp_switch else None
+        return self
 
     # -- results -----------------------------------------------------------------------------------
     @property
@@ -294,6 +304,8 @@ class Run:
             previous.close(reason="closed: a new Run on its run dir")
 
     def _iterate(self) -> Iterator[tuple[int, int, Any]]:
+        if self.faults.describe():  # never silent: they change what the run does
+            log.warning(f"faults injected on purpose ({self.faults.describe()}): a chaos test, not a normal run")
         self._close_previous()  # before choosing: its last save may still commit
         open_runs.wait_for_stuck_save(self.run_dir)
         self._identity = (identity.code_digest([self._built_in, self._loop_file, identity.class_file(self.model)]),

@@ -4,7 +4,7 @@ through the same :class:`~resumable.engine.run.Run` engine users get for their o
 from __future__ import annotations
 
 import gc
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,13 +15,14 @@ from ..checkpoint.writer import SaveStats
 from ..config import COMPUTATION_FIELDS, SESSION_FIELDS, TrainConfig
 from ..distributed import Distributed
 from ..engine.data.sources import IndexBatches
-from ..engine.run import Run
+from ..engine.run import Run, ToolHooks
 from ..engine.rundir.run_dir import RunDir
 from ..engine.session import identity
 from ..engine.state import hardware
 from ..engine.state.train_state import TrainState, seed_everything
 from ..errors import ConfigMismatch, ResumableError
 from ..faults import Faults
+from ..policies import from_options
 from . import mnist
 from .mnist_task import MnistTask
 
@@ -123,14 +124,14 @@ def _build(dist: Distributed, explicit: dict[str, Any], mode: str, overwrite: bo
                                              else None)
         if dist.rank:
             seed_everything(cfg.seed + 1_000_003 * dist.rank)
-    options = asdict(cfg.run_options())
-    run = Run(cfg.run_dir, model=task.model, optimizer=task.optimizer, scheduler=task.scheduler,
-              scaler=task.scaler, data=IndexBatches(lambda indices: indices, len(task.data.train)),
-              batch_size=cfg.batch_size, seed=cfg.seed, evaluate=task.evaluate, device=device,
-              resume=_RESUME[mode], overwrite=overwrite, prepared=(rundir, choice),
-              # what a checkpoint must match (the options that change the numbers), and what the next start
-              # inherits for options not given again
-              computation=task.computation(), settings=cfg.to_dict(), amp=amp, amp_switch=amp_switch, **options)
+    policies = from_options(cfg.run_options(), cfg.run_dir, resume=_RESUME[mode], overwrite=overwrite)
+    run = Run(model=task.model, optimizer=task.optimizer, scheduler=task.scheduler, scaler=task.scaler,
+              data=IndexBatches(lambda indices: indices, len(task.data.train)), batch_size=cfg.batch_size,
+              seed=cfg.seed, evaluate=task.evaluate, device=device, amp=amp, **policies)
+    # what a checkpoint must match (the options that change the numbers), and what the next start inherits for
+    # options not given again
+    run._for_tool(ToolHooks(computation=task.computation(), settings=cfg.to_dict(), prepared=(rundir, choice),
+                            amp_switch=amp_switch))
     return run, task
 
 

@@ -23,7 +23,7 @@ def accept_data_change(info: Any, now: int | None, state: TrainState) -> tuple[i
                              f"middle of an epoch over {saved}: a changed dataset is accepted at an epoch boundary "
                              f"only. Resume with the old data until the epoch ends, or start a new run dir")
     log.warning(f"the dataset changed from {saved} to {now} samples since step {info.step}: epoch {state.epoch + 1} "
-                f"on uses the new data (allow_data_change=True); the run is no longer comparable with an "
+                f"on uses the new data (Session(allow_data_change=True)); the run is no longer comparable with an "
                 f"uninterrupted one over the old data")
     return saved, now
 

@@ -54,11 +54,11 @@ def check_crash_loop(sessions: Sequence[SessionRecord], step: int, older: Sequen
     if loop is None:
         return
     ends = "; ".join(f"session {s.session}: {s.ended or 'killed'}" for s in loop)
-    back = (f"resume from an older checkpoint with --resume-from STEP (resume_from=STEP in Run; steps available: "
-            f"{', '.join(map(str, older))})" if older else "there is no older checkpoint to go back to")
+    back = (f"resume from an older checkpoint with --resume-from STEP (Session(resume_from=STEP) in Run; steps "
+            f"available: {', '.join(map(str, older))})" if older else "there is no older checkpoint to go back to")
     raise CrashLoop(f"crash loop in {run_dir}: the last {SESSIONS} sessions all started from step {step}, ran this "
                     f"same code and config, and failed without committing a checkpoint past it ({ends}). Last error: "
                     f"{_how(loop[-1])}. Starting again unchanged would most likely fail the same way. To continue: "
                     f"fix the cause and run again (a changed script, notebook cell or option starts a new count), or "
-                    f"{back}, or start anyway with --ignore-crash-loop (ignore_crash_loop=True in Run). Nothing was "
-                    f"changed")
+                    f"{back}, or start anyway with --ignore-crash-loop (Session(ignore_crash_loop=True) in Run). "
+                    f"Nothing was changed")

@@ -15,7 +15,7 @@ differently has other state_dict keys, which the resume refuses anyway.
 
 One change torch does not count: writing through ``tensor.data`` (``p.data.mul_(0.9)``). A script that updates
 a frozen tensor that way must use ``torch.no_grad()`` and in-place ops on the tensor itself, or pass
-``store_frozen=True``.
+``Checkpointing(store_frozen=True)``.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class FrozenTensors:
             size = sum(live[n].numel() * live[n].element_size() for n in frozen)
             log.info(f"not storing {len(frozen)} frozen tensor(s) of the model ({size / 1e6:.1f} MB; fingerprinted in "
                      f"{time.perf_counter() - started:.2f}s): a resume checks that your script builds them "
-                     f"identically. Pass store_frozen=True (--store-frozen) to store them too")
+                     f"identically. Pass Checkpointing(store_frozen=True) (--store-frozen) to store them too")
         return kept, frozen
 
     def check(self, saved: dict[str, Any] | None, step: int) -> None:
