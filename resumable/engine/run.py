@@ -355,7 +355,7 @@ class Run:
             self._mirror.after_upload = self._keeper.prune
         for setting in determinism.set_cheap_defaults():  # before the checkpoint's settings are compared
             if self.device.type == "cuda":  # set on every device (it is recorded), said only where cuBLAS runs
-                log.info(f"set {setting} for deterministic cuBLAS (see README: bit-identical resumes)")
+                log.info(f"set {setting} for deterministic cuBLAS (see docs/resuming.md: bit-identical)")
         check_schedulers(self._objects, resuming=choice.latest is not None)  # the same on every rank
         # where this session trains (engine/state/hardware.py): recorded in each manifest, compared at a resume
         self._keeper.meta.update(hardware.describe(self.device))

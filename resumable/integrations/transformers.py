@@ -28,7 +28,7 @@ What the callback adds to the Trainer's own checkpoints:
   the newest durable one back.
 
 The equivalence of a killed-and-resumed run with an uninterrupted one is the Trainer's own (it saves the RNG states
-and skips the batches already trained); README "Hugging Face Trainer" says what scripts/bench_trainer_resume.py
+and skips the batches already trained); docs/trainer.md says what scripts/bench_trainer_resume.py
 measured.
 """
 
