@@ -175,7 +175,7 @@ def test_the_ddp_model_is_freed_before_the_process_group_is_destroyed(mnist_dir:
     script.write_text(
         "import gc, sys\n"
         "from torch.nn.parallel import DistributedDataParallel\n"
-        "from resumable.engine import distributed\nfrom resumable.tasks import train_mnist as runner\n"
+        "from resumable import distributed\nfrom resumable.tasks import train_mnist as runner\n"
         "close = distributed.Distributed.close\n"
         "def probe(self):\n"
         "    alive = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())\n"

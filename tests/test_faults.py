@@ -15,6 +15,7 @@ import torch
 from click.testing import CliRunner
 from helpers import final_fingerprint, records, small_filesystem
 
+from resumable import atomic
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.checkpoint import format as fmt
 from resumable.checkpoint import manager as manager_module
@@ -59,7 +60,12 @@ def fail_once(monkeypatch: pytest.MonkeyPatch, module, name: str, code: int, on_
                          ids=["payload-ENOSPC", "payload-EIO", "manifest-ENOSPC", "manifest-EIO", "fsync-EIO"])
 def test_failed_save_warns_and_training_goes_on(tiny_mnist: Path, tmp_path: Path, monkeypatch, reference,
                                                 target: str, code: int) -> None:
-    fail_once(monkeypatch, fmt, target, code)
+    # the manifest's folder fsync is the one in resumable/atomic.py (every atomic replacement goes through it):
+    # its first call is the first commit's (the others fail on the second save, after step 2 was committed)
+    if target == "fsync_dir":
+        fail_once(monkeypatch, atomic, target, code, on_call=1)
+    else:
+        fail_once(monkeypatch, fmt, target, code)
     result = invoke(tmp_path, tiny_mnist)
     assert result.exit_code == 0, result.output
     assert "warning:" in result.output and errno.errorcode[code] in result.output
@@ -199,6 +205,8 @@ def test_faults_in_the_environment_are_obeyed_only_when_armed_and_said_when_they
         monkeypatch.setenv(name, value)
     assert Faults.from_env().skip_rng_restore
     model = torch.nn.Linear(2, 2)
-    Run(tmp_path, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        data=torch.utils.data.TensorDataset(torch.zeros(4, 2)), batch_size=2)
+    run = Run(tmp_path, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+              data=torch.utils.data.TensorDataset(torch.zeros(4, 2)), batch_size=2)
+    next(iter(run))  # said as the session starts
+    run.close()
     assert "faults injected on purpose (skip_rng_restore=True)" in capsys.readouterr().err
