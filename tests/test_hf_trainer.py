@@ -324,3 +324,21 @@ def test_a_finished_run_is_not_trained_again(tmp_path: Path) -> None:
     plain = hf_train.build(str(out), 25, 5, None, [ResumableCallback()])
     plain.train(resume_from_checkpoint=latest_valid(out))
     assert plain.state.global_step == 26
+
+
+def test_drive_and_the_output_dir_end_with_save_total_limit_when_uploads_are_slow(tmp_path: Path) -> None:
+    # Uploads slower than the saves: retention keeps the checkpoint being uploaded at each save. Before, the one in
+    # flight at the last save stayed for good, in the output dir and on Drive (three checkpoints for a limit of 2).
+    from fakedrive import FakeDrive
+    from test_drive import drive_env, store
+
+    from resumable.storage.tiered import durable_steps
+
+    with FakeDrive(bandwidth=1_000_000) as fake:
+        out = tmp_path / "out"
+        done = train(out, "--drive", "gdrive://root/runs/slow", "--limit", "2", **drive_env(fake))
+        assert done.returncode == 0, done.stderr[-3000:]
+        local = sorted(step for step, _ in hf.folders(out))
+        assert local == [35, 40], f"output dir keeps {local}"
+        on_drive = durable_steps(store(fake, path="runs/slow"), tmp_path)
+        assert on_drive == [35, 40], "Drive keeps what the output dir keeps"

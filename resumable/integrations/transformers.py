@@ -251,12 +251,7 @@ class ResumableCallback(TrainerCallback):
             manifest = hf.commit(folder, step, {"run_id": self.run_id, "source": "transformers.Trainer",
                                                 "transformers_version": transformers.__version__})
             self.last_commit_s = time.monotonic() - began
-            if self.keep is not None:
-                best = state.best_model_checkpoint and hf.parse_folder(Path(state.best_model_checkpoint).name)
-                uploading = self._link.mirror.protected() if self._link is not None and self._link.mirror else set()
-                pruned = hf.prune(args.output_dir, self.keep, [*([best] if best is not None else []), *uploading])
-                if self._link is not None:
-                    self._link.pruned(pruned)
+            self._prune(args, state)
             if self._link is not None:
                 self._link.committed(step, manifest)
         _barrier()
@@ -268,6 +263,16 @@ class ResumableCallback(TrainerCallback):
             log.info(f"stopped early ({self.stopped_early}): checkpoint-{step} committed. Run the same script again "
                      f"to continue (exit code {EXIT_RESUME})")
 
+    def _prune(self, args: TrainingArguments, state: TrainerState) -> None:
+        """``save_total_limit`` applied after a commit: the best checkpoint and one being uploaded stay."""
+        if self.keep is None:
+            return
+        best = state.best_model_checkpoint and hf.parse_folder(Path(state.best_model_checkpoint).name)
+        uploading = self._link.mirror.protected() if self._link is not None and self._link.mirror else set()
+        pruned = hf.prune(args.output_dir, self.keep, [*([best] if best is not None else []), *uploading])
+        if self._link is not None:
+            self._link.pruned(pruned)
+
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         self._training = False
@@ -275,6 +280,11 @@ class ResumableCallback(TrainerCallback):
             self._stop.__exit__(None, None, None)
             self._stop = None
         if self._link is not None and self._link.mirror is not None:
+            if state.is_world_process_zero:
+                # The upload in flight at the last save was kept from retention; once it is durable, the last save's
+                # retention applies in full, here and (through close's last pass) on Drive.
+                self._link.mirror.flush(self.flush_timeout_s)
+                self._prune(args, state)
             if self._link.close(self.flush_timeout_s):
                 self.exit_code = EXIT_NOT_DURABLE
             self._link = None
