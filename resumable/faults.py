@@ -1,11 +1,14 @@
-"""Faults injected on purpose, for `resumable chaos` and the tests: one object handed to the engine.
+"""Faults injected on purpose, for `resumable chaos` and the tests: a hook whose default injects nothing.
 
-Production code never reads test variables; it asks the :class:`Faults` it was given. A child process that
-chaos starts gets its faults through ``RESUMABLE_FAULTS`` (JSON) and ``RESUMABLE_FAULTS_ARMED=1`` beside it
-(:meth:`Faults.to_env`), read only by :meth:`Faults.from_env` where a :class:`~resumable.engine.run.Run` is built
-without explicit faults. A ``RESUMABLE_FAULTS`` left in an environment by hand (without the armed mark) is ignored
-with a warning: a stray ``skip_rng_restore`` would otherwise turn off the RNG restore and its check in silence. Faults
-that are obeyed are said at every start (:meth:`Faults.describe`).
+The engine never reads the environment for faults: a :class:`~resumable.engine.run.Run` uses those it is handed
+(``Run._for_tool(ToolHooks(faults=...))``, the tests) or else this process's hook (:func:`installed`, no faults
+unless something called :func:`install`). A process that chaos starts gets its faults through ``RESUMABLE_FAULTS``
+(JSON) with ``RESUMABLE_FAULTS_ARMED=1`` beside it and chaos's child bootstrap on PYTHONPATH (all three from
+:meth:`Faults.to_env`): the bootstrap (tools/bootstrap/sitecustomize.py) reads them at start-up and installs them,
+and chaos's fork server does the same for each child it forks (:func:`install_from_env`). A ``RESUMABLE_FAULTS`` left
+in an environment by hand (without the armed mark) is ignored with a warning: a stray ``skip_rng_restore`` would
+otherwise turn off the RNG restore and its check in silence. Faults that are obeyed are said at every start
+(:meth:`Faults.describe`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a
     save_error_after_s: float | None = None
     save_hold_file: str | None = None
 
+    def __post_init__(self) -> None:
+        # when this process trained its first step, and which timed faults have fired: each Faults its own
+        object.__setattr__(self, "_clock", {})
+
     @classmethod
     def from_env(cls) -> Faults:
         text = os.environ.get(FAULTS_ENV)
@@ -77,7 +84,8 @@ multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a
 
     def to_env(self) -> dict[str, str]:
         """The environment that hands these faults to a child process."""
-        return {FAULTS_ENV: json.dumps(asdict(self)), ARMED_ENV: "1"}
+        path = os.pathsep.join(p for p in (BOOTSTRAP, os.environ.get("PYTHONPATH")) if p)
+        return {FAULTS_ENV: json.dumps(asdict(self)), ARMED_ENV: "1", "PYTHONPATH": path}
 
     def describe(self) -> str:
         """The faults set, for the line every start that obeys them prints ("" for none)."""
@@ -92,36 +100,55 @@ multi-shard write). ``skip_rng_restore``: resume without restoring RNG states (a
             _hold(self.save_hold_file, abandoned)
         if step is not None and step == self.kill_in_save_at_step:
             _die()
-        if _due(self.save_error_after_s, "save error"):
+        if self._due(self.save_error_after_s, "save error"):
             raise OSError(errno.EIO, f"Input/output error (injected: {FAULTS_ENV} save_error_after_s)")
 
     def after_step(self, step: int) -> None:
-        _CLOCK.setdefault("first step", time.monotonic())
+        self._clock.setdefault("first step", time.monotonic())
         if step == self.kill_at_step:
             _die()
         if step == self.raise_at_step:
             raise RuntimeError(f"planted failure at step {step} (Faults.raise_at_step)")
         if step == self.hang_at_step:
             _hang()
-        if _due(self.hang_after_s, "hang"):
+        if self._due(self.hang_after_s, "hang"):
             _hang()
 
     def between_shards(self) -> None:
         if self.shard_delay_s > 0:
             time.sleep(self.shard_delay_s)
 
+    def _due(self, after_s: float | None, name: str) -> bool:
+        """Whether a timed fault fires now: ``after_s`` seconds after the first step, once per process."""
+        clock = self._clock
+        first = clock.get("first step")
+        if after_s is None or first is None or name in clock or time.monotonic() - first < after_s:
+            return False
+        clock[name] = time.monotonic()
+        return True
+
 
 _WARNED: set[str] = set()  # unarmed RESUMABLE_FAULTS values already warned about (once per process)
-_CLOCK: dict[str, float] = {}  # when this process trained its first step; which timed faults have fired
+BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools", "bootstrap")  # chaos's child bootstrap
+_INSTALLED: Faults | None = None
 
 
-def _due(after_s: float | None, name: str) -> bool:
-    """Whether a timed fault fires now: ``after_s`` seconds after the first step, once per process."""
-    first = _CLOCK.get("first step")
-    if after_s is None or first is None or name in _CLOCK or time.monotonic() - first < after_s:
-        return False
-    _CLOCK[name] = time.monotonic()
-    return True
+def install(faults: Faults) -> None:
+    """This process's fault hook: what a Run without faults of its own injects (see the module docstring)."""
+    global _INSTALLED
+    _INSTALLED = faults
+
+
+def installed() -> Faults:
+    """The installed faults; none by default."""
+    return _INSTALLED if _INSTALLED is not None else NO_FAULTS
+
+
+def install_from_env() -> Faults:
+    """Chaos's child bootstrap: the faults the environment hands this process (armed only), installed."""
+    faults = Faults.from_env()
+    install(faults)
+    return faults
 
 
 def _die() -> None:

@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 from helpers import final_fingerprint, policies
 
-from resumable import Run
+from resumable import Run, faults
 from resumable.cli import train_command
 from resumable.engine.session import open_runs
 from resumable.engine.session.crash_loop import crash_loop
@@ -94,8 +94,7 @@ def test_a_changed_option_starts_a_new_count(tmp_path: Path) -> None:
 
 def test_always_failing_step_stops_the_next_start(tiny_mnist: Path, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, value in Faults(raise_at_step=9).to_env().items():
-        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(faults, "_INSTALLED", Faults(raise_at_step=9))  # the hook, as chaos's bootstrap sets it
     for _ in range(4):  # session 1 commits steps 4, 6, 8 (progress), sessions 2-4 all fail from step 8
         result = invoke(tmp_path, tiny_mnist)
         assert isinstance(result.exception, RuntimeError) and "planted failure at step 9" in str(result.exception)
@@ -109,7 +108,7 @@ def test_always_failing_step_stops_the_next_start(tiny_mnist: Path, tmp_path: Pa
     assert "--resume-from STEP" in message and "steps available: 4, 6" in message and "--ignore-crash-loop" in message
     assert "a changed script, notebook cell or option starts a new count" in message
     assert len(read_sessions(tmp_path)) == 4  # the refused start wrote nothing
-    monkeypatch.delenv("RESUMABLE_FAULTS")  # the cause is fixed
+    monkeypatch.setattr(faults, "_INSTALLED", None)  # the cause is fixed
     assert invoke(tmp_path, tiny_mnist, "--ignore-crash-loop").exit_code == 0
 
 

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import final_fingerprint, records, small_filesystem
+from helpers import env, final_fingerprint, records, small_filesystem
 
 from resumable import atomic
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
@@ -195,18 +199,57 @@ def test_faults_in_the_environment_are_obeyed_only_when_armed_and_said_when_they
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     # Before: a stray RESUMABLE_FAULTS (e.g. skip_rng_restore) silently turned off the RNG restore and its check.
     from resumable import Run
+    from resumable import faults as hook
     from resumable.faults import ARMED_ENV, FAULTS_ENV, NO_FAULTS, Faults
 
+    monkeypatch.setattr(hook, "_INSTALLED", None)
     monkeypatch.setenv(FAULTS_ENV, json.dumps({"skip_rng_restore": True}))
     monkeypatch.delenv(ARMED_ENV, raising=False)
-    assert Faults.from_env() == NO_FAULTS
+    assert hook.install_from_env() == NO_FAULTS
     assert "was not armed by resumable chaos" in capsys.readouterr().err
     for name, value in Faults(skip_rng_restore=True).to_env().items():
         monkeypatch.setenv(name, value)
-    assert Faults.from_env().skip_rng_restore
-    model = torch.nn.Linear(2, 2)
-    run = Run(tmp_path, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-              data=torch.utils.data.TensorDataset(torch.zeros(4, 2)), batch_size=2)
+
+    def tiny() -> Run:
+        model = torch.nn.Linear(2, 2)
+        return Run(tmp_path, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                   data=torch.utils.data.TensorDataset(torch.zeros(4, 2)), batch_size=2)
+
+    run = tiny()
+    next(iter(run))
+    run.close()
+    assert "faults injected" not in capsys.readouterr().err, "the engine never reads the environment for faults"
+    assert hook.install_from_env().skip_rng_restore  # chaos's child bootstrap installs them
+    run = tiny()
     next(iter(run))  # said as the session starts
     run.close()
     assert "faults injected on purpose (skip_rng_restore=True)" in capsys.readouterr().err
+
+
+def test_the_bootstrap_hands_a_plain_script_its_faults_and_runs_the_sitecustomize_it_shadows(tmp_path: Path) -> None:
+    """A command target (``python train.py``, torchrun's workers) gets its faults from chaos's child bootstrap, which
+    Faults.to_env puts on PYTHONPATH; a sitecustomize the environment already had still runs."""
+    from resumable.faults import Faults
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text("import os\nos.environ['THEIR_SITECUSTOMIZE'] = 'ran'\n")
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys, torch\nfrom resumable import Run, Checkpointing, Reporting\n"
+        "assert os.environ.get('THEIR_SITECUSTOMIZE') == 'ran'\n"
+        "model = torch.nn.Linear(2, 2)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "run = Run(sys.argv[1], model=model, optimizer=opt, data=torch.utils.data.TensorDataset(torch.zeros(16, 2)),"
+        " batch_size=2, checkpointing=Checkpointing(steps=1), reporting=Reporting(progress=False))\n"
+        "for _, step, (x,) in run:\n    opt.zero_grad(); model(x).sum().backward(); opt.step()\n")
+    extra = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", extra["PYTHONPATH"])
+        planted = Faults(kill_at_step=3).to_env()
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=120, env=env(**planted), stdin=subprocess.DEVNULL)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert "faults injected on purpose (kill_at_step=3)" in done.stderr
+    plain = subprocess.run([sys.executable, str(script), str(tmp_path / "plain")], capture_output=True, text=True,
+                           timeout=120, env=env(**extra, RESUMABLE_FAULTS=planted["RESUMABLE_FAULTS"],
+                                                RESUMABLE_FAULTS_ARMED="1"), stdin=subprocess.DEVNULL)
+    assert plain.returncode == 0 and "faults injected" not in plain.stderr, "without the bootstrap: no faults"

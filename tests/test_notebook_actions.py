@@ -90,8 +90,7 @@ def notebook(kernels: list[Kernel], tmp_path_factory: pytest.TempPathFactory) ->
     kernel = kernels[-1]
     yield kernel
     if kernel.alive():  # what a test planted in the kernel goes with it
-        kernel.run("import os; [os.environ.pop(name, None) for name in ('RESUMABLE_FAULTS', "
-                   "'RESUMABLE_FAULTS_ARMED')]")
+        kernel.run("from resumable import faults; faults.install(faults.NO_FAULTS)")
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +103,9 @@ def reference(kernels: list[Kernel], tmp_path_factory: pytest.TempPathFactory) -
 
 
 def plant_faults(kernel: Kernel, **faults: object) -> None:
-    """Faults for the Runs the kernel builds next (read when a Run is built; the fixture removes them after)."""
-    kernel.run(f"import os; os.environ.update({Faults(**faults).to_env()!r})")
+    """Faults for the Runs the kernel builds next (the process's fault hook, as chaos's bootstrap installs it; the
+    fixture removes them after)."""
+    kernel.run(f"from resumable import faults; faults.install(faults.{Faults(**faults)!r})")
 
 
 def assert_identical(run_dir: Path, reference: tuple[str, list]) -> None:

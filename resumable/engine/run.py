@@ -40,6 +40,7 @@ from ..config import DURATION_MAX_S, format_duration
 from ..distributed import Distributed
 from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME, Hung, ResumableError, StopNow
 from ..faults import Faults
+from ..faults import installed as installed_faults
 from ..policies import Checkpointing, Loader, Location, Reporting, Session, location_of, to_options
 from ..reporting.history import SessionLog
 from ..reporting.metrics import METRICS, MetricsLog
@@ -148,7 +149,7 @@ class Run:
         self.accumulate = accumulate
         self.evaluate = evaluate
         self.device = torch.device(device) if device is not None else device_of(model)
-        self.faults = Faults.from_env()  # none, or those `resumable chaos` hands a child process
+        self.faults = installed_faults()  # none, or those chaos's child bootstrap installed
         self._objects: dict[str, Stateful | None] = {"model": plain_module(model), "optimizer": optimizer,
                                                      "scheduler": scheduler, "scaler": scaler,
                                                      "sampler": self.sampler}
@@ -335,35 +336,30 @@ class Run:
         if main and rundir.remote is not None:
             # Once another machine took the lease over, its session owns the remote: this mirror stops at once.
             self._mirror = Mirror(rundir.manager, rundir.remote, rundir.local, log.info, run_id=choice.run_id,
-                                  lost=lambda: rundir.lost)
+                                  lost=lambda: rundir.lost, after_upload=self._after_upload)
         self._metrics = MetricsLog(rundir.local / METRICS if main else None)
+        switch = self.amp_switch
+        # where this session trains (engine/state/hardware.py): recorded in each manifest, compared at a resume
+        where = {**hardware.describe(self.device), **({"amp_dtype": self.amp} if self.amp is not None else {})}
         self._keeper = StateKeeper(
             CheckpointManager(checkpoints_dir(rundir.local), ShardedFormat(
                 self.options.shard_size_bytes, faults=self.faults,
                 share_limit=self.options.keep - 1 if self.options.keep >= 2 else None), self.faults),
             self._objects, self.state,
             meta={"config": self.settings, "computation": self.computation, "device": str(self.device),
-                  "world_size": self.dist.world_size, "run_id": choice.run_id, **self._tracking(choice)},
+                  "world_size": self.dist.world_size, "run_id": choice.run_id, **self._tracking(choice), **where},
             keep=self.options.keep, keep_best=self.options.keep_best,
             writer=CheckpointWriter(asynchronous=not self.options.sync_checkpoints),
             before_commit=lambda: self._report.before_commit(),
             after_commit=self._after_commit, dist=self.dist,
             faults=self.faults, modules=self._objects["model"], store_frozen=self.options.store_frozen,
             staging_memory=self.options.staging_memory_bytes,
-            protect=self._mirror.protected if self._mirror is not None else None)
-        if self._mirror is not None:
-            self._mirror.after_upload = self._keeper.prune
+            protect=self._mirror.protected if self._mirror is not None else None,
+            fresh=frozenset({"scaler"}) if switch else frozenset())  # a GradScaler the checkpoint lacks starts fresh
         for setting in determinism.set_cheap_defaults():  # before the checkpoint's settings are compared
             if self.device.type == "cuda":  # set on every device (it is recorded), said only where cuBLAS runs
                 log.info(f"set {setting} for deterministic cuBLAS (see docs/resuming.md: bit-identical)")
         check_schedulers(self._objects, resuming=choice.latest is not None)  # the same on every rank
-        # where this session trains (engine/state/hardware.py): recorded in each manifest, compared at a resume
-        self._keeper.meta.update(hardware.describe(self.device))
-        if self.amp is not None:
-            self._keeper.meta["amp_dtype"] = self.amp
-        switch = self.amp_switch
-        if switch:
-            self._keeper.fresh = frozenset({"scaler"})
         error: Exception | None = None
         if choice.latest is not None:
             try:
@@ -415,6 +411,11 @@ class Run:
         if self.resumed_from is None and not self.model.training:
             log.info("the model was in eval mode; training it in train mode (model.train())")
             self.model.train()
+
+    def _after_upload(self) -> None:
+        """The Drive mirror finished an upload (on its thread): a step retention kept for it may go now."""
+        if self._keeper is not None:
+            self._keeper.prune()
 
     def _after_commit(self, step: int) -> None:
         """A checkpoint committed (on the writer's thread): this run's fresh start is on disk now, and Drive gets it."""

@@ -75,7 +75,8 @@ class Mirror:
     def __init__(self, local: CheckpointManager, remote: RemoteStore, run_dir: Path,
                  say: Callable[[str], None], run_id: str | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 lost: Callable[[], str | None] = lambda: None) -> None:
+                 lost: Callable[[], str | None] = lambda: None,
+                 after_upload: Callable[[], None] | None = None) -> None:
         self.local = local
         self.remote = remote
         self.run_dir = run_dir
@@ -108,7 +109,7 @@ class Mirror:
         self.upload_s = 0.0
         self.pace = UploadPace()  # how fast checkpoints get there: the session budget reserves the last one's upload
         self.uploading: int | None = None  # the step in flight: local retention keeps it (see protected())
-        self.after_upload: Callable[[], None] | None = None  # local retention again, once the step in flight is up
+        self.after_upload = after_upload  # local retention again, once the step in flight is up
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._idle.set()

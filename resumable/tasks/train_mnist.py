@@ -21,7 +21,7 @@ from ..engine.session import identity
 from ..engine.state import hardware
 from ..engine.state.train_state import TrainState, seed_everything
 from ..errors import ConfigMismatch, ResumableError
-from ..faults import Faults
+from ..faults import installed as installed_faults
 from ..policies import from_options
 from . import mnist
 from .mnist_task import MnistTask
@@ -90,7 +90,7 @@ def _train(dist: Distributed, explicit: dict[str, Any], mode: str, overwrite: bo
     # (engine/session/identity.py).
     session = (identity.code_digest([__file__, mnist.__file__]), identity.config_digest(explicit))
     rundir, choice = RunDir.open(dist, run_dir, explicit.get("cache_dir"), explicit.get("drive_credentials"), mode,
-                                 overwrite, resume_from, ignore_crash_loop or Faults.from_env().ignore_crash_loop,
+                                 overwrite, resume_from, ignore_crash_loop or installed_faults().ignore_crash_loop,
                                  session)
     try:
         run, task = _build(dist, explicit, mode, overwrite, rundir, choice)

@@ -31,7 +31,7 @@ from pathlib import Path
 from ..checkpoint import CheckpointManager, checkpoints_dir
 from ..checkpoint import format as fmt
 from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME
-from ..faults import ARMED_ENV, FAULTS_ENV, Faults, held_marker
+from ..faults import FAULTS_ENV, Faults, held_marker
 from ..reporting.metrics import read_records, without_timing
 from .chaos_drive import DriveRuns, drive_run_dir
 from .chaos_report import ChaosReport, Kill, format_report, report_json
@@ -138,8 +138,9 @@ class Chaos:
         # The faults of both sources together (a session's own faults must not drop --break-rng-restore's).
         faults = {**json.loads(self.extra_env.get(FAULTS_ENV) or "{}"), **json.loads(extra.get(FAULTS_ENV) or "{}"),
                   "ignore_crash_loop": True}
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env, **extra, FAULTS_ENV: json.dumps(faults),
-               ARMED_ENV: "1", SESSION_ENV: tag}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env, **extra,
+               **Faults(**faults).to_env(),  # and chaos's child bootstrap on PYTHONPATH, for command targets too
+               SESSION_ENV: tag}
         # One record per step, so "step at kill" is exact (both runs get it, so records still compare); not
         # with a user's --reference, whose records were written with the options as given.
         chosen = self._own_reference and not any(a.startswith("--log-every") for a in self.target.args)

@@ -2,7 +2,7 @@
 whether the session ends with it.
 
 External faults are signals chaos sends at a random moment; armed faults are handed to the session when it
-starts (``RESUMABLE_FAULTS``, read by the engine's :class:`~resumable.faults.Faults`) and fire from inside it,
+starts (``RESUMABLE_FAULTS``, installed as its fault hook by chaos's child bootstrap) and fire from inside it,
 timed from its first step: a hang of the training thread, a checkpoint write that fails with EIO.
 """
 

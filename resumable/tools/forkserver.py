@@ -33,6 +33,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from ..faults import install_from_env
+
 _MAX = 1 << 20
 TRAIN_TARGET = "resumable.cli:train_command"  # what `resumable-train` runs
 
@@ -100,6 +102,7 @@ def _system_exit_code(e: SystemExit) -> int:
 def call(program: str, function: Callable[[list[str]], object], args: list[str]) -> int:
     """Run the target in this process as its own program; return its exit code (never raises)."""
     sys.argv = [program, *args]
+    install_from_env()  # chaos's child bootstrap: this child's faults (its environment is the request's)
     try:
         return _exit_code(function(list(args)))
     except SystemExit as e:

@@ -74,7 +74,8 @@ class StateKeeper:
                  before_commit: Callable[[], None] | None = None,
                  after_commit: Callable[[int], None] | None = None, dist: Distributed | None = None,
                  faults: Faults = NO_FAULTS, modules: torch.nn.Module | None = None, store_frozen: bool = False,
-                 staging_memory: int | None = None, protect: Callable[[], set[int]] | None = None) -> None:
+                 staging_memory: int | None = None, protect: Callable[[], set[int]] | None = None,
+                 fresh: frozenset[str] = frozenset()) -> None:
         if "model" not in objects or "optimizer" not in objects:
             raise ValueError("a keeper needs at least 'model' and 'optimizer' objects")
         self.manager = manager
@@ -105,7 +106,7 @@ class StateKeeper:
         self.data_next: dict[str, Any] | None = None  # this rank's record of its next batch at the restored step
         # Objects a checkpoint may hold no state for (None): they keep their fresh state. The GradScaler of an AMP
         # switch (bf16 checkpoint, fp16 session: engine/state/hardware.py); any other missing state is an error.
-        self.fresh: frozenset[str] = frozenset()
+        self.fresh = fresh
 
     # -- saving ------------------------------------------------------------------------------------
     def _rank_state(self, rng: dict[str, Any] | None = None) -> dict[str, Any]:
