@@ -13,7 +13,7 @@ validated when it is built, each with defaults, so the common call stays one lin
 - :class:`Reporting`: what is printed and logged.
 
 Nothing here imports torch. Each record checks its values when built (a ValueError names the field and the fix), and
-:meth:`to_options` gives the engine's one merged :class:`~resumable.config.RunOptions`.
+:func:`to_options` gives the engine's one merged :class:`~resumable.config.RunOptions`.
 """
 
 from __future__ import annotations
