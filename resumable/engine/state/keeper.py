@@ -36,6 +36,8 @@ from .verify import verify_restored
 _TRAIN_STATE, _RNG, _RANKS, _MODES = fmt.TRAIN_STATE, "rng", "ranks", "module_modes"
 _OLD_RNG_RANKS = "rng_ranks"  # checkpoints before per-rank counters: every rank's RNG only
 _DATA_NEXT = "data_next"  # in each rank's entry: the record of its next batch (None where not known)
+
+
 def owned(state: Any) -> Any:
     """``state`` with every tensor copied into memory of its own. A loaded payload's tensors are views of the
     checkpoint's files (mapped, so that restoring costs no second copy of the model); an object that keeps them
