@@ -7,8 +7,9 @@ from __future__ import annotations
 import io
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 TMP_MARK = ".tmp-"  # in every temp file's name: what a start removes as left over by a killed writer
 
@@ -35,14 +36,17 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def replace_with(path: Path, data: bytes, *, durable: bool = True, tag: str | int | None = None) -> None:
-    """Make ``path`` hold ``data``. ``durable``: fsync the file before the rename and the folder after it (a
-    record rewritten every few seconds, such as a heartbeat, skips both). The temp file never outlives a failure."""
+def replace_by(path: Path, write: Callable[[BinaryIO], object], *, durable: bool = True,
+               sync_folder: bool | None = None, tag: str | int | None = None) -> None:
+    """Make ``path`` hold what ``write(handle)`` writes (``torch.save(obj, handle)``...). ``durable``: fsync the file
+    before the rename and the folder after it (a record rewritten every few seconds, such as a heartbeat, skips both);
+    ``sync_folder=False`` leaves the folder's fsync to the caller (a checkpoint's manifest commit does it once). The
+    temp file never outlives a failure."""
     path = Path(path)
     tmp = tmp_path(path, tag)
     try:
         with create_new(tmp, "wb") as handle:
-            handle.write(data)
+            write(handle)
             if durable:
                 handle.flush()
                 os.fsync(handle.fileno())
@@ -50,8 +54,13 @@ def replace_with(path: Path, data: bytes, *, durable: bool = True, tag: str | in
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    if durable:
+    if durable if sync_folder is None else sync_folder:
         fsync_dir(path.parent)
+
+
+def replace_with(path: Path, data: bytes, **options: Any) -> None:
+    """Make ``path`` hold ``data`` (see :func:`replace_by` for the options)."""
+    replace_by(path, lambda handle: handle.write(data), **options)
 
 
 def write_json_atomic(path: Path, data: Any, *, durable: bool = True, tag: str | int | None = None) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..atomic import TMP_MARK, create_new, fsync_dir, tmp_path, write_json_atomic  # noqa: F401 - fmt.* for checkpoint/
+from ..atomic import TMP_MARK, create_new, fsync_dir, replace_with, tmp_path, write_json_atomic  # noqa: F401 - fmt.* for checkpoint/
 from . import paths
 
 FORMAT_NAME = "resumable-checkpoint"
@@ -137,14 +137,9 @@ def _unsafe_leaf(obj: Any, path: tuple[Any, ...] = ()) -> tuple[str, str, str] |
 
 
 def write_bytes_atomic(directory: Path, data: bytes, name: str) -> dict[str, Any]:
-    """``data`` to ``directory/name`` atomically (temp file, fsync, rename); returns ``{"size", "sha256"}``."""
-    final = directory / name
-    tmp = tmp_path(final)
-    with create_new(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, final)
+    """``data`` to ``directory/name`` atomically (temp file, fsync, rename; the manifest's commit fsyncs the folder);
+    returns ``{"size", "sha256"}``."""
+    replace_with(directory / name, data, sync_folder=False)
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 

@@ -24,8 +24,8 @@ import click
 import torch
 
 from .. import log
+from ..atomic import replace_by
 from ..checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, checkpoints_dir, paths
-from ..checkpoint.format import fsync_dir
 from ..errors import ResumableError
 
 # Wrapper prefixes on parameter names: torch.compile (``_orig_mod.``) and DistributedDataParallel (``module.``).
@@ -158,20 +158,7 @@ def _strip_metadata(metadata: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 def _save_atomic(obj: Any, out: Path) -> None:
     """torch.save to a temp file beside ``out``, fsync, then rename: ``out`` is never a half-written file."""
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    try:
-        # O_EXCL | O_NOFOLLOW: a link left at the temp name is never written through
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(out.parent)
+    replace_by(out, lambda handle: torch.save(obj, handle))
 
 
 def _is_number(value: Any) -> bool:
