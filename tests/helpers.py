@@ -127,29 +127,25 @@ def policies(run_dir: Any = None, **flat: Any) -> dict[str, Any]:
     arguments (``session=Session(max_steps=3)``...): tests combine many options through their helpers; training code
     writes the records themselves. With ``run_dir`` it is one of them too, a Location when Drive options
     (``cache_dir``, ``drive_credentials``, ``drive_flush_timeout``) are given."""
-    from resumable.policies import Checkpointing, Loader, Location, Reporting, Session
+    from dataclasses import fields
 
-    names = {
-        "loader": (Loader, {"shuffle": "shuffle", "drop_last": "drop_last", "num_workers": "num_workers",
-                            "collate_fn": "collate_fn", "pin_memory": "pin_memory", "loader_options": "options"}),
-        "checkpointing": (Checkpointing, {"checkpoint_every": "every", "checkpoint_steps": "steps", "keep": "keep",
-                                          "keep_best": "keep_best", "mtbf": "mtbf",
-                                          "sync_checkpoints": "synchronous", "on_save_error": "on_error",
-                                          "store_frozen": "store_frozen", "shard_size": "shard_size",
-                                          "staging_memory": "staging_memory"}),
-        "session": (Session, {k: k for k in ("resume", "overwrite", "resume_from", "allow_data_change",
-                                             "ignore_crash_loop", "max_steps", "time_limit", "hang_timeout")}),
-        "reporting": (Reporting, {k: k for k in ("progress", "quiet", "log_every", "tensorboard", "wandb")}),
-    }
+    from resumable.policies import _ENGINE_NAMES, Checkpointing, Loader, Location, Reporting, Session
+
+    def taken(record: type) -> dict[str, Any]:
+        """The flat options that are ``record``'s fields (under the engine's names), as its keyword arguments."""
+        engine = {**_ENGINE_NAMES, "options": "loader_options"} if record is Loader else _ENGINE_NAMES
+        return {f.name: flat.pop(engine.get(f.name, f.name)) for f in fields(record)
+                if f.name != "path" and engine.get(f.name, f.name) in flat}
+
     out: dict[str, Any] = {}
-    where = {new: flat.pop(old) for old, new in (("cache_dir", "cache_dir"), ("drive_credentials", "credentials"),
-                                                 ("drive_flush_timeout", "flush_timeout")) if old in flat}
+    where = taken(Location)
     if run_dir is not None:
         out["run_dir"] = Location(run_dir, **where) if where else run_dir
     elif where:
         raise TypeError(f"{sorted(where)} need the run_dir: policies(run_dir=..., ...)")
-    for keyword, (record, fields) in names.items():
-        given = {fields[k]: flat.pop(k) for k in list(flat) if k in fields}
+    for keyword, record in (("loader", Loader), ("checkpointing", Checkpointing), ("session", Session),
+                            ("reporting", Reporting)):
+        given = taken(record)
         if given:
             out[keyword] = record(**given)
     return {**flat, **out}  # the rest (epochs, tracker, objects...) as they are
