@@ -147,10 +147,10 @@ def costs(ref_dir: Path, scratch: Path, options) -> None:  # noqa: ANN001
         began = time.perf_counter()
         latest_valid(folder)
         find.append(time.perf_counter() - began)
-        path = folder / f"checkpoint-{options.steps}"
-        hf.invalidate(path)
+        store = hf.checkpoints(folder)
+        store.invalidate(options.steps)
         began = time.perf_counter()
-        hf.commit(path, options.steps)
+        store.adopt(options.steps, {})
         commit.append(time.perf_counter() - began)
     size = sum(p.stat().st_size for p in (folder / f"checkpoint-{options.steps}").iterdir())
     save = statistics.median(options.save_s)

@@ -19,7 +19,7 @@ from helpers import env, final_fingerprint, policies, records
 
 from resumable import Loader, Run
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
-from resumable.checkpoint import format as fmt
+from resumable.checkpoint.layout import STEPS
 from resumable.errors import RunDirInUse
 from resumable.reporting.history import read_sessions
 
@@ -158,7 +158,7 @@ def test_tensorboard_purges_events_after_the_resumed_step(tmp_path: Path) -> Non
     args = ["--run-dir", str(tmp_path), "--tensorboard", "--checkpoint-steps", "10", "--log-every", "1"]
     assert example.main([*args, "--max-steps", "25"]) == 0
     # A kill after step 25's events were written but before its checkpoint committed:
-    CheckpointManager(checkpoints_dir(tmp_path)).delete(tmp_path / "checkpoints" / fmt.step_dir_name(25))
+    CheckpointManager(checkpoints_dir(tmp_path)).delete(tmp_path / "checkpoints" / STEPS.name(25))
     assert example.main([*args, "--max-steps", "30"]) == 0
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()

@@ -16,6 +16,7 @@ from fakedrive import FakeDrive, make_drive
 from resumable.checkpoint import CheckpointManager, checkpoints_dir, fingerprint
 from resumable.checkpoint import format as fmt
 from resumable.checkpoint import manifest as manifests
+from resumable.checkpoint.layout import STEPS
 from resumable.cli import main
 from resumable.errors import RunDirInUse
 from resumable.storage.durable import remote_manifest
@@ -211,18 +212,18 @@ def _drive_cli(fake: FakeDrive, monkeypatch: pytest.MonkeyPatch, *args: str):  #
 def _without_md5(fake: FakeDrive, manager: CheckpointManager, step: int) -> None:
     """Upload step's local manifest over the mirror's, which records Drive's md5 of each file: the remote manifest
     as earlier versions wrote it (sizes and sha256 only)."""
-    folder = fmt.step_dir_name(step)
+    folder = STEPS.name(step)
     assert any("md5" in e for e in remote_manifest(store(fake), folder, manager.root)["files"].values())
     store(fake).put_file(folder, fmt.MANIFEST, manager.root / folder / fmt.MANIFEST)
 
 
 def _corrupt(fake: FakeDrive, manager: CheckpointManager, step: int) -> str:
     """Flip one byte of step's largest payload file on Drive (same size: a size check cannot see it)."""
-    files = manifests.read(manager.root / fmt.step_dir_name(step)).body["files"]
+    files = manifests.read(manager.root / STEPS.name(step)).body["files"]
     name = max(files, key=lambda n: files[n]["size"])
     with fake.lock:
         f = next(f for f in fake.files.values() if f.title == name
-                 and fake.files[f.parents[0]].title == fmt.step_dir_name(step))
+                 and fake.files[f.parents[0]].title == STEPS.name(step))
         f.content = bytes([f.content[0] ^ 0xFF]) + f.content[1:]
     return name
 

@@ -19,6 +19,7 @@ from fakedrive import FakeDrive, make_drive
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.checkpoint import format as fmt
+from resumable.checkpoint.layout import STEPS
 from resumable.checkpoint.manifest import parse, read, seal
 from resumable.storage.base import RemoteFile
 from resumable.storage.gdrive import DriveLocation, GDriveStore
@@ -33,7 +34,7 @@ BIG = MIN_REUSE_BYTES + 4096  # a shard worth reusing; smaller files are uploade
 
 
 def folder(step: int) -> str:
-    return fmt.step_dir_name(step)
+    return STEPS.name(step)
 
 
 class Recording:

@@ -29,6 +29,7 @@ from helpers import payload_files, run, shards
 
 from resumable.checkpoint import CheckpointManager, InvalidCheckpoint, checkpoints_dir, fingerprint
 from resumable.checkpoint import format as fmt
+from resumable.checkpoint.layout import STEPS
 from resumable.checkpoint.sharded import KIND, META
 
 # Generous for a loaded CI machine, far below "forever"; RESUMABLE_TEST_HANG_S lowers it to check old code fast.
@@ -39,7 +40,7 @@ EMPTY_SHA = hashlib.sha256(b"").hexdigest()
 
 # -- helpers ---------------------------------------------------------------------------------------------
 def _step(root: Path, step: int) -> Path:
-    return checkpoints_dir(root) / fmt.step_dir_name(step)
+    return checkpoints_dir(root) / STEPS.name(step)
 
 
 def _rewrite_manifest(directory: Path, change) -> None:  # noqa: ANN001 - a function of the manifest dict
@@ -134,7 +135,7 @@ def test_path_policy_drive_names(tmp_path: Path) -> None:
         store = GDriveStore(make_drive(fake), DriveLocation.parse("gdrive://root/runs/t"),
                             RetryPolicy(attempts=3, base_s=0.01))
         for step in (1, 2):
-            folder = fmt.step_dir_name(step)
+            folder = STEPS.name(step)
             for payload in payload_files(_step(source, step)):  # meta.pt and the shards
                 _upload(store, folder, payload.name, payload)
             if step == 2:
@@ -172,8 +173,8 @@ def test_path_policy_mounted_links(tmp_path: Path) -> None:
     for name in linked:
         os.symlink(_step(elsewhere, 4) / name, _step(mount, 4) / name)
     store = MountedDirStore(mount, prune_grace_s=0)
-    assert not set(linked) & set(store.list_files(fmt.step_dir_name(4)))
-    assert fmt.step_dir_name(3) not in store.list_checkpoints()
+    assert not set(linked) & set(store.list_files(STEPS.name(4)))
+    assert STEPS.name(3) not in store.list_checkpoints()
     cache = tmp_path / "cache"
     said: list[str] = []
     assert restore_newest(store, CheckpointManager(checkpoints_dir(cache)), cache, said.append) == 1, said

@@ -31,6 +31,7 @@ from helpers import command, env, final_fingerprint, replace_bytes, run, shards
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir, fingerprint
 from resumable.checkpoint import format as fmt
+from resumable.checkpoint.layout import STEPS
 from resumable.checkpoint.sharded import META
 from resumable.checkpoint.state_format import TorchFile
 from resumable.cli import main
@@ -77,7 +78,7 @@ def _copy(base: Path, tmp_path: Path) -> Path:
 
 
 def _step_dir(run_dir: Path, step: int) -> Path:
-    return checkpoints_dir(run_dir) / fmt.step_dir_name(step)
+    return checkpoints_dir(run_dir) / STEPS.name(step)
 
 
 def _manifest(step_dir: Path) -> dict[str, Any]:
@@ -208,7 +209,7 @@ def test_malformed_manifest_through_resumable_train(tiny_mnist: Path, base_run: 
 @pytest.mark.parametrize("name", ["step-١٢٣", "step-²", "step-𝟠"])
 def test_non_ascii_step_dirs_are_not_checkpoints(tmp_path: Path, name: str) -> None:
     manager = _saved_manager(tmp_path / "checkpoints")
-    assert fmt.parse_step_dir(name) is None
+    assert STEPS.parse(name) is None
     impostor = tmp_path / "checkpoints" / name
     shutil.copytree(_step_dir(tmp_path, 4), impostor)
     _write(impostor, reseal({**_manifest(impostor), "step": 123}))

@@ -28,6 +28,7 @@ import hf_train  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
+from resumable.checkpoint.layout import TRAINER  # noqa: E402
 from resumable.errors import NothingToResume  # noqa: E402
 from resumable.integrations import hf_checkpoints as hf  # noqa: E402
 from resumable.integrations.transformers import ResumableCallback, latest_valid  # noqa: E402
@@ -56,7 +57,7 @@ def wait_for(proc: subprocess.Popen, ready, what: str) -> None:  # noqa: ANN001
 
 
 def committed(output_dir: Path) -> list[int]:
-    return [step for step, path in hf.folders(output_dir) if hf.check(step, path).valid]
+    return [info.step for info in hf.checkpoints(output_dir).inspect() if info.valid]
 
 
 def result(path: Path) -> dict:
@@ -90,7 +91,7 @@ class SeenAtSave(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
         out = Path(args.output_dir)
-        self.seen.append((state.global_step, [s for s, _ in hf.folders(out)], committed(out)))
+        self.seen.append((state.global_step, [s for s, _ in hf.checkpoints(out).step_dirs()], committed(out)))
 
 
 def test_each_save_is_committed_and_pruned_only_after_the_commit(tmp_path: Path) -> None:
@@ -160,7 +161,7 @@ class ManifestAtSave(TrainerCallback):
         self.seen: list[tuple[int, bool]] = []
 
     def on_save(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
-        folder = Path(args.output_dir) / hf.folder_name(state.global_step)
+        folder = Path(args.output_dir) / TRAINER.name(state.global_step)
         self.seen.append((state.global_step, (folder / "manifest.json").exists()))
 
 
@@ -296,8 +297,9 @@ def test_a_fresh_vm_restores_from_drive_and_finishes(reference: dict, tmp_path: 
         assert f"RESUME-FROM {out}/checkpoint-{max(on_drive)}" in resumed.stdout
         assert_same_as(reference, tmp_path / "result.json")
         assert durable_steps(s, tmp_path) == [35, 40], "Drive keeps what local retention keeps"
+        assert s.list_checkpoints() == ["checkpoint-35", "checkpoint-40"], "Drive holds the Trainer's own folders"
         assert not fake.server_errors, fake.server_errors
-    assert os.path.isdir(out / ".resumable")
+    assert not list(out.glob(".resumable/*/checkpoints")), "no second copy (or view) of the checkpoints"
 
 
 def test_a_finished_run_is_not_trained_again(tmp_path: Path) -> None:
@@ -338,7 +340,7 @@ def test_drive_and_the_output_dir_end_with_save_total_limit_when_uploads_are_slo
         out = tmp_path / "out"
         done = train(out, "--drive", "gdrive://root/runs/slow", "--limit", "2", **drive_env(fake))
         assert done.returncode == 0, done.stderr[-3000:]
-        local = sorted(step for step, _ in hf.folders(out))
+        local = sorted(step for step, _ in hf.checkpoints(out).step_dirs())
         assert local == [35, 40], f"output dir keeps {local}"
         on_drive = durable_steps(store(fake, path="runs/slow"), tmp_path)
         assert on_drive == [35, 40], "Drive keeps what the output dir keeps"

@@ -12,6 +12,7 @@ from helpers import command, env, final_fingerprint, records, run
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.checkpoint import format as fmt
+from resumable.checkpoint.layout import STEPS
 from resumable.faults import Faults
 
 ARGS = ["--max-steps", "14", "--batch-size", "16", "--checkpoint-steps", "5", "--log-every", "1", "--no-progress",
@@ -56,7 +57,7 @@ def test_a_kill_inside_a_multi_shard_write_never_counts(tiny_mnist: Path, tmp_pa
     assert partial, "killed inside a multi-shard write"
     manager = CheckpointManager(checkpoints_dir(run_dir))
     latest, _ = manager.latest_valid()
-    partial_step = fmt.parse_step_dir(partial[0].name)
+    partial_step = STEPS.parse(partial[0].name)
     assert latest is not None and latest.step < partial_step, "a step dir without its manifest is no checkpoint"
 
     resumed = run(["--run-dir", str(run_dir), "--data-dir", str(tiny_mnist), *ARGS])

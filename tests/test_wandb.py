@@ -21,6 +21,7 @@ from helpers import command, env, policies, run
 
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.checkpoint import format as fmt
+from resumable.checkpoint.layout import STEPS
 from resumable.reporting.metrics import TIMING_FIELDS, read_records
 
 wandb = pytest.importorskip("wandb")
@@ -144,8 +145,8 @@ def test_steps_w_and_b_already_has_are_not_sent_again(tiny_mnist: Path, tmp_path
     assert first.returncode == 0, first.stderr
     manager = CheckpointManager(checkpoints_dir(run_dir))
     for step in (9, 10):  # 10: the last step; 9 does not exist (checkpoints at 4, 6, 8, 10)
-        if (run_dir / "checkpoints" / fmt.step_dir_name(step)).exists():
-            manager.delete(run_dir / "checkpoints" / fmt.step_dir_name(step))
+        if (run_dir / "checkpoints" / STEPS.name(step)).exists():
+            manager.delete(run_dir / "checkpoints" / STEPS.name(step))
     assert manager.latest_valid()[0].step == 8
     second = run([*base, "--max-steps", "16"], **extra)
     assert second.returncode == 0, second.stderr

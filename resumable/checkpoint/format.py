@@ -48,19 +48,6 @@ class UnsafeCheckpoint(InvalidCheckpoint):
     """A payload that would need arbitrary unpickling to load."""
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{step:09d}"
-
-
-def parse_step_dir(name: str) -> int | None:
-    """The step of a ``step-NNNNNNNNN`` directory name, or None for anything else."""
-    if not name.startswith("step-") or TMP_MARK in name:
-        return None
-    digits = name[len("step-"):]
-    # ASCII only: str.isdigit accepts "١٢٣" or "²", which int() reads or rejects; 19 digits fit a 64-bit step
-    return int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 19 else None
-
-
 class HashingWriter:
     """File wrapper that hashes bytes as torch.save streams them, so the payload is read once."""
 

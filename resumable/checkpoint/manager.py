@@ -1,9 +1,10 @@
-"""Save, list, validate, load and prune checkpoints in one directory.
+"""Save, list, validate, load and prune checkpoints in one directory, whatever their folders are named (layout.py).
 
 Commit protocol for a save: invalidate any old manifest of that step (:meth:`CheckpointManager.begin`), write
 the payload files (each a temp file, fsync, rename; see state_format.py and sharded.py), then write
 ``manifest.json`` atomically (:meth:`CheckpointManager.commit`). Pruning runs only after a commit and removes a
-checkpoint's manifest first, so a prune interrupted half-way never leaves a directory that looks valid.
+checkpoint's manifest first, so a prune interrupted half-way never leaves a directory that looks valid. A folder
+another program wrote (the Trainer's ``checkpoint-N``) is committed the same way by :meth:`CheckpointManager.adopt`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from ..faults import NO_FAULTS, Faults
 from . import format as fmt
 from . import manifest as manifests
 from . import paths
+from .adopt import listed_files
+from .layout import STEPS, Layout
 from .manifest import note as manifest_note
 from .manifest import seal
 from .retention import Candidate, steps_to_prune
@@ -33,7 +36,8 @@ from .state_format import Previous, StateFormat, TorchFile
 
 @dataclass
 class CheckpointInfo:
-    """One ``step-*`` directory and whether it is a valid checkpoint (``reason`` says why not)."""
+    """One checkpoint folder (``step-N``, ``checkpoint-N``) and whether it is a valid checkpoint (``reason`` says
+    why not)."""
 
     step: int
     path: Path
@@ -96,27 +100,34 @@ class CheckpointInfo:
 
 
 class CheckpointManager:
-    """Checkpoints under ``root`` (``RUN_DIR/checkpoints``)."""
+    """Checkpoints under ``root`` (``RUN_DIR/checkpoints``; a Trainer's ``OUTPUT_DIR`` with ``layout=TRAINER``)."""
 
-    def __init__(self, root: Path, state_format: StateFormat | None = None, faults: Faults = NO_FAULTS) -> None:
+    def __init__(self, root: Path, state_format: StateFormat | None = None, faults: Faults = NO_FAULTS,
+                 layout: Layout = STEPS) -> None:
         self.root = Path(root)
         self.state_format = state_format or ShardedFormat(faults=faults)
         self.faults = faults
+        self.layout = layout
+
+    def folder(self, step: int) -> Path:
+        """Where the checkpoint of ``step`` is (or goes)."""
+        return self.root / self.layout.name(step)
 
     # -- listing and validation -------------------------------------------------------------------
     def _step_entries(self) -> list[tuple[int, Path]]:
-        """Every entry named ``step-N`` in the root, whatever it is, oldest first."""
+        """Every entry named for a step in the root, whatever it is, oldest first by step number (never by name or
+        mtime: ``checkpoint-9`` is older than ``checkpoint-10``)."""
         if not self.root.is_dir():
             return []
         found = []
         for entry in self.root.iterdir():
-            step = fmt.parse_step_dir(entry.name)
+            step = self.layout.parse(entry.name)
             if step is not None:
                 found.append((step, entry))
         return sorted(found)
 
     def step_dirs(self) -> list[tuple[int, Path]]:
-        """Every ``step-*`` directory, oldest first by step number.
+        """Every checkpoint directory, oldest first by step number.
 
         Only real directories: a symlink named like a step dir points outside the run dir, and listing it would
         make retention delete (and resume read) files there. It is reported once and removed, as a link only, by
@@ -137,7 +148,8 @@ class CheckpointManager:
         except fmt.InvalidCheckpoint as e:
             return CheckpointInfo(step, path, None, str(e))
         if manifest["step"] != step:
-            return CheckpointInfo(step, path, manifest, f"manifest says step {manifest['step']}")
+            return CheckpointInfo(step, path, manifest, f"manifest says step {manifest['step']}, but its folder is "
+                                                        f"{path.name}")
         try:
             fmt.verify_files(path, manifest, deep=deep)
         except fmt.InvalidCheckpoint as e:
@@ -169,15 +181,20 @@ class CheckpointManager:
         """The step dir of a new save, with any old manifest of that step removed first (re-saving a step after
         falling back past a corrupt one), so nothing there counts until :meth:`commit`."""
         self.root.mkdir(parents=True, exist_ok=True)
-        directory = self.root / fmt.step_dir_name(step)
+        directory = self.folder(step)
         if os.path.lexists(directory) and not paths.is_real_dir(directory):
             paths.remove_entry(directory)  # a link there would make this save write outside the run dir
         directory.mkdir(exist_ok=True)
-        manifest_path = directory / fmt.MANIFEST
-        if manifest_path.exists():
-            manifest_path.unlink()
-            fmt.fsync_dir(directory)
+        self.invalidate(step)
         return directory
+
+    def invalidate(self, step: int) -> None:
+        """The folder of ``step`` is about to be written again (by this manager, or by the Trainer after a resume
+        from an older checkpoint): its old manifest goes first, so the folder does not count while its files are
+        replaced."""
+        directory = self.folder(step)
+        if paths.is_real_dir(directory) and paths.unlink_in_dir(directory, fmt.MANIFEST):
+            fmt.fsync_dir(directory)
 
     def previous_files(self, step: int) -> dict[str, Previous]:
         """The files of the newest committed checkpoint before ``step`` (manifest checked, payload not read), which
@@ -197,7 +214,7 @@ class CheckpointManager:
                abandoned: threading.Event | None = None) -> CheckpointInfo:
         """Write the manifest of a step dir whose files are on disk: from now on it is a checkpoint. ``abandoned``
         set: the session gave up on this save (it was stuck), so it must not become a checkpoint now."""
-        directory = self.root / fmt.step_dir_name(step)
+        directory = self.folder(step)
         self.faults.before_commit(step, abandoned)
         if abandoned is not None and abandoned.is_set():
             raise SaveFailed(f"the save of step {step} was abandoned (stuck); it is not committed")
@@ -217,12 +234,20 @@ class CheckpointManager:
         fmt.fsync_dir(self.root)
         return CheckpointInfo(step, directory, manifest)
 
+    def adopt(self, step: int, meta: dict[str, Any]) -> CheckpointInfo:
+        """Commit the folder of ``step`` as another program wrote it (the Trainer's ``checkpoint-N``): every file
+        hashed and fsynced (adopt.py), then the manifest, last."""
+        directory = self.folder(step)
+        files = listed_files(directory)
+        fmt.fsync_dir(directory)
+        return self.commit(step, files, meta)
+
     def load(self, info: CheckpointInfo) -> dict[str, Any]:
         """The payload of ``info``, whatever its format (state.pt, or shards and meta.pt)."""
         return read_any(info.path, info.manifest or {}, self.state_format.load_timeout_s)
 
     def cleanup_incomplete(self) -> list[Path]:
-        """Remove temp files and step directories a killed save left without a manifest, and ``step-N`` entries
+        """Remove temp files and step directories a killed save left without a manifest, and checkpoint entries
         that are not directories (a symlink is removed itself, and said; nothing it points to changes)."""
         removed: list[Path] = []
         if not self.root.is_dir():
@@ -246,13 +271,20 @@ class CheckpointManager:
         return removed
 
     def prune(self, keep: int, keep_best: bool, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
-        """Delete committed checkpoints beyond the retention policy; returns the deleted steps."""
-        valid = [info for info in self.inspect(deep=False) if info.valid]
-        doomed = steps_to_prune([Candidate(i.step, i.test_acc) for i in valid], keep, keep_best, protect)
-        by_step = {info.step: info for info in valid}
-        for step in doomed:
-            self.delete(by_step[step].path)
-        return doomed
+        """Delete committed checkpoints beyond the retention policy, and the folders without a manifest older than
+        the newest valid checkpoint (saves killed before their commit); returns the deleted steps. Folders newer
+        than it are left alone (a save may be writing there), and so are committed ones that do not verify."""
+        found = self.inspect(deep=False)
+        valid = [info for info in found if info.valid]
+        if not valid:
+            return []
+        doomed = set(steps_to_prune([Candidate(i.step, i.test_acc) for i in valid], keep, keep_best, protect))
+        doomed |= {info.step for info in found
+                   if not info.committed and info.step < valid[-1].step and info.step not in protect}
+        for info in found:
+            if info.step in doomed:
+                self.delete(info.path)
+        return sorted(doomed)
 
     def delete(self, path: Path) -> None:
         """Delete one checkpoint, manifest first, so a half-deleted directory is never valid. Never follows a
@@ -266,7 +298,7 @@ class CheckpointManager:
         paths.remove_tree(path)
 
     def delete_all(self) -> None:
-        """Every ``step-N`` entry (--fresh --overwrite): directories deleted, links removed as links."""
+        """Every checkpoint entry (--fresh --overwrite): directories deleted, links removed as links."""
         for _, path in reversed(self._step_entries()):
             self.delete(path)
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from . import format as fmt
 from . import paths
+from .layout import step_of
 
 CHECKSUM_FIELD = "manifest_sha256"
 FIRST_SEALED_VERSION = 2  # format 1 manifests have no self-checksum
@@ -96,8 +97,8 @@ def note(body: dict[str, Any] | None) -> str | None:
 def read(directory: Path) -> Manifest:
     """Read and validate ``directory/manifest.json``; raises InvalidCheckpoint naming the problem.
 
-    The step must be the one in the folder's name when the folder is a ``step-N`` one."""
-    return parse(_read_bytes(Path(directory) / fmt.MANIFEST), fmt.parse_step_dir(Path(directory).name))
+    The step must be the one in the folder's name when the folder is named for a step (layout.py)."""
+    return parse(_read_bytes(Path(directory) / fmt.MANIFEST), step_of(Path(directory).name))
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -158,7 +159,7 @@ def parse(data: bytes, step: int | None = None) -> Manifest:
     if step is not None and body["step"] != step:
         raise fmt.InvalidCheckpoint(f"manifest says step {body['step']}, but its folder is step {step}")
     for name, entry in body["files"].items():
-        if "folder" in entry and fmt.parse_step_dir(entry["folder"]) >= body["step"]:
+        if "folder" in entry and step_of(entry["folder"]) >= body["step"]:
             raise fmt.InvalidCheckpoint(f"manifest.json places {name!r} in {entry['folder']}, which is not an older "
                                         f"checkpoint's folder (a reused file always comes from an older one)")
     return Manifest(
@@ -284,14 +285,15 @@ def _files(value: Any) -> str | None:
         if _hex64(entry.get("sha256")) is not None:
             return f"the sha256 of {name!r} must be 64 lowercase hex digits"
         if "folder" in entry and not _placement_ok(entry["folder"]):
-            return f"the folder of {name!r} must be the name of a step-N checkpoint folder"
+            return f"the folder of {name!r} must be the name of a checkpoint folder (step-N, checkpoint-N)"
     return None
 
 
 def _placement_ok(folder: Any) -> bool:
     """A remote manifest may place a file in an older checkpoint's folder (storage/tiered.py reuses a shard
-    already durable there instead of uploading it again); that folder must be a plain ``step-N`` name."""
-    return isinstance(folder, str) and fmt.parse_step_dir(folder) is not None and paths.name_problem(folder) is None
+    already durable there instead of uploading it again); that folder must be a plain checkpoint folder name
+    (``step-N``, ``checkpoint-N``)."""
+    return isinstance(folder, str) and step_of(folder) is not None and paths.name_problem(folder) is None
 
 
 def _frozen(value: Any) -> str | None:

@@ -45,6 +45,7 @@ import transformers
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .. import log
+from ..checkpoint.layout import TRAINER
 from ..config import parse_duration
 from ..engine.loop.preemption import Budget, StopFlag
 from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME, NothingToResume
@@ -81,11 +82,12 @@ def latest_valid(output_dir: str | os.PathLike[str], drive: str | None = None) -
     there are committed checkpoints and none verifies: starting over would train over them."""
     if drive is not None:
         restore(output_dir, drive)
-    chosen = hf.newest_valid(output_dir)
+    store = hf.checkpoints(output_dir)
+    chosen = hf.newest_valid(store)
     if chosen is not None:
         log.info(f"resuming from {chosen.path.name} ({chosen.path})")
         return str(chosen.path)
-    committed = [path.name for _, path in hf.folders(output_dir) if os.path.lexists(path / "manifest.json")]
+    committed = [info.path.name for info in store.inspect(deep=False) if info.committed]
     if committed:
         raise NothingToResume(f"{output_dir} has committed checkpoints ({', '.join(committed)}) but none verifies; "
                               f"refusing to start over on top of them. Delete them or use another output_dir")
@@ -156,7 +158,8 @@ class ResumableCallback(TrainerCallback):
             link.restore()
         chosen = latest_valid(output_dir)
         if chosen is not None:
-            self.run_id = hf.check(hf.parse_folder(Path(chosen).name), Path(chosen), deep=False).manifest.get("run_id")
+            step = TRAINER.parse(Path(chosen).name)
+            self.run_id = hf.run_id(hf.checkpoints(output_dir).check(step, Path(chosen), deep=False))
         return chosen
 
     def train(self, trainer: Any, **kwargs: Any) -> Any:
@@ -182,7 +185,7 @@ class ResumableCallback(TrainerCallback):
             args.save_total_limit = None  # the Trainer's rotation runs before the commit: this callback's after it
             log.info(f"save_total_limit={self.keep} is applied by ResumableCallback after each checkpoint is "
                      f"committed (the Trainer's own rotation runs before, and could leave none committed)")
-        self.run_id = self.run_id or _run_id_of_newest(args.output_dir) or uuid.uuid4().hex
+        self.run_id = self.run_id or hf.newest_run_id(hf.checkpoints(args.output_dir)) or uuid.uuid4().hex
         if state.is_world_process_zero:
             link = self._drive_link(args.output_dir)
             if link is not None and link.mirror is None:
@@ -238,22 +241,19 @@ class ResumableCallback(TrainerCallback):
         writes the step again) must not vouch for the folder while its files are replaced."""
         self._save_began = time.monotonic()
         if state.is_world_process_zero:
-            hf.invalidate(Path(args.output_dir) / hf.folder_name(state.global_step))
-            if self._link is not None:
-                self._link.forget(state.global_step)
+            hf.checkpoints(args.output_dir).invalidate(state.global_step)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         _barrier()  # every rank has written its files (rng_state_K.pth) before rank 0 vouches for them
         step = self._saved_at = state.global_step
         if state.is_world_process_zero:
             began = time.monotonic()
-            folder = Path(args.output_dir) / hf.folder_name(step)
-            manifest = hf.commit(folder, step, {"run_id": self.run_id, "source": "transformers.Trainer",
-                                                "transformers_version": transformers.__version__})
+            hf.checkpoints(args.output_dir).adopt(step, {"run_id": self.run_id, "source": "transformers.Trainer",
+                                                         "transformers_version": transformers.__version__})
             self.last_commit_s = time.monotonic() - began
             self._prune(args, state)
             if self._link is not None:
-                self._link.committed(step, manifest)
+                self._link.committed(step)
         _barrier()
         if self._save_began is not None:
             self._save_s = time.monotonic() - self._save_began
@@ -267,11 +267,9 @@ class ResumableCallback(TrainerCallback):
         """``save_total_limit`` applied after a commit: the best checkpoint and one being uploaded stay."""
         if self.keep is None:
             return
-        best = state.best_model_checkpoint and hf.parse_folder(Path(state.best_model_checkpoint).name)
+        best = state.best_model_checkpoint and TRAINER.parse(Path(state.best_model_checkpoint).name)
         uploading = self._link.mirror.protected() if self._link is not None and self._link.mirror else set()
-        pruned = hf.prune(args.output_dir, self.keep, [*([best] if best is not None else []), *uploading])
-        if self._link is not None:
-            self._link.pruned(pruned)
+        hf.checkpoints(args.output_dir).prune(self.keep, False, {*([best] if best is not None else []), *uploading})
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -326,15 +324,6 @@ def _new_best(args: TrainingArguments, state: TrainerState, metrics: dict[str, f
     if args.greater_is_better:
         return value > (best if best is not None else float("-inf"))
     return value < (best if best is not None else float("inf"))
-
-
-def _run_id_of_newest(output_dir: str) -> str | None:
-    for step, path in reversed(hf.folders(output_dir)):
-        info = hf.check(step, path, deep=False)
-        if info.valid:
-            run = info.manifest.get("run_id")
-            return run if isinstance(run, str) and run else None
-    return None
 
 
 def _barrier() -> None:

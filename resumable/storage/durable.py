@@ -19,6 +19,7 @@ from pathlib import Path
 from ..checkpoint import format as fmt
 from ..checkpoint import manifest as manifests
 from ..checkpoint import paths
+from ..checkpoint.layout import Layout, step_of
 from . import placement
 from .base import RemoteStore, run_of, same_run
 from .placement import Listings
@@ -124,17 +125,20 @@ def remote_manifest(remote: RemoteStore, folder: str, scratch: Path) -> dict | N
     return check_remote(remote, folder, scratch)[0]
 
 
-def remote_entries(remote: RemoteStore, scratch: Path) -> list[tuple[int, str, dict | None, str | None]]:
-    """(step, folder, manifest or None, why not) of every remote checkpoint folder, oldest first. A folder without
-    a manifest that holds files of durable checkpoints is a holder (placement.py), not an unfinished upload."""
-    return [entry[:4] for entry in _entries(remote, scratch, deep=False)]
+def remote_entries(remote: RemoteStore, scratch: Path,
+                   layout: Layout | None = None) -> list[tuple[int, str, dict | None, str | None]]:
+    """(step, folder, manifest or None, why not) of every remote checkpoint folder (of ``layout``; None: of any),
+    oldest first. A folder without a manifest that holds files of durable checkpoints is a holder (placement.py),
+    not an unfinished upload."""
+    return [entry[:4] for entry in _entries(remote, scratch, deep=False, layout=layout)]
 
 
-def _entries(remote: RemoteStore, scratch: Path, deep: bool) -> list[tuple[int, str, dict | None, str | None, str]]:
+def _entries(remote: RemoteStore, scratch: Path, deep: bool,
+             layout: Layout | None = None) -> list[tuple[int, str, dict | None, str | None, str]]:
     """remote_entries, plus what was checked of each (see _check; "sizes and sha256" when ``deep``)."""
     found, listings = [], Listings(remote)
     for folder in remote.list_checkpoints():
-        step = fmt.parse_step_dir(folder)
+        step = layout.parse(folder) if layout is not None else step_of(folder)
         if step is not None and paths.is_plain_name(folder):
             manifest, reason, checked = _check(remote, folder, scratch, listings)
             if manifest is not None and deep:
@@ -171,9 +175,10 @@ def hash_remote(remote: RemoteStore, folder: str, manifest: dict, scratch: Path)
     return None
 
 
-def remote_checkpoints(remote: RemoteStore, scratch: Path) -> list[tuple[int, str, dict | None]]:
+def remote_checkpoints(remote: RemoteStore, scratch: Path,
+                       layout: Layout | None = None) -> list[tuple[int, str, dict | None]]:
     """(step, folder, manifest or None when not durable) of every remote checkpoint folder, oldest first."""
-    return [(step, folder, manifest) for step, folder, manifest, _ in remote_entries(remote, scratch)]
+    return [(step, folder, manifest) for step, folder, manifest, _ in remote_entries(remote, scratch, layout)]
 
 
 def describe_remote(remote: RemoteStore, scratch: Path, deep: bool = False) -> list[dict]:

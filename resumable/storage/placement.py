@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..checkpoint import format as fmt
+from ..checkpoint.layout import step_of
 from ..checkpoint.manifest import seal
 from .base import RemoteFile, RemoteStore
 from .retry import MissingFile
@@ -128,7 +129,7 @@ class Placements:
             return None
         key = _key(name, entry)
         where = self._where.get(key)
-        older = fmt.parse_step_dir(where) if where is not None else None
+        older = step_of(where) if where is not None else None
         if where is None or older is None or older >= step:
             return None
         got = listings.files(where).get(name)

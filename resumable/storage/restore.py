@@ -28,7 +28,7 @@ def _created(manifest: dict | None) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
-def _drop_stale_cache(local: CheckpointManager, run_dir: Path, run: str | None, newest: tuple[int, dict],
+def _drop_stale_cache(local: CheckpointManager, run_dir: Path | None, run: str | None, newest: tuple[int, dict],
                       description: str, say: Callable[[str], None]) -> bool:
     """Remove the local checkpoints and logs of runs other than ``run`` (the remote's), unless they are newer
     than the remote's ``newest`` (step, manifest). Returns False when the cache holds the newer run."""
@@ -47,6 +47,8 @@ def _drop_stale_cache(local: CheckpointManager, run_dir: Path, run: str | None, 
         f"run {run} (newest step {newest[0]}): removing the stale cache and resuming run {run}")
     for info in others:
         local.delete(info.path)
+    if run_dir is None:
+        return True
     # Its logs are that run's too (like --fresh --overwrite): the remote's are brought back with the checkpoint.
     for log in (METRICS, SESSIONS):
         (run_dir / log).unlink(missing_ok=True)
@@ -102,10 +104,11 @@ def _bring_back(remote: RemoteStore, folder: str, manifest: dict, target: Path,
     return f"does not verify after {DOWNLOADS} downloads ({reason})"
 
 
-def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
+def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path | None,
                    say: Callable[[str], None]) -> int | None:
     """Bring the remote's newest durable checkpoint into the local cache when it is newer than every valid local
-    one: payload first, sha256-verified, manifest last, with the run's logs. Returns the step brought back.
+    one: payload first, sha256-verified, manifest last, with the run's logs (none without ``run_dir``: a Trainer's
+    output dir keeps its own). Returns the step brought back.
 
     The remote decides which run this is: the run of its most recently created durable checkpoint. Local
     checkpoints of another run are a stale cache (a newer run was started elsewhere with --fresh --overwrite):
@@ -116,7 +119,7 @@ def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
     a fresh start there would train over them (and its pruning delete them). Nothing on the remote is changed.
     """
     local.root.mkdir(parents=True, exist_ok=True)
-    entries = remote_entries(remote, local.root)
+    entries = remote_entries(remote, local.root, local.layout)
     found = [(step, folder, manifest) for step, folder, manifest, _ in entries]
     durable = [(step, folder, manifest) for step, folder, manifest in found if manifest is not None]
     # Folders whose manifest is there but did not check out (damaged, a file missing): committed once, so they
@@ -150,11 +153,11 @@ def restore_newest(remote: RemoteStore, local: CheckpointManager, run_dir: Path,
             failed.append((step, f"{folder}: {problem}"))
             local.delete(target)  # no manifest: never a checkpoint; removed so the cache is as it was
             continue
-        logs = remote.list_files("")
+        logs = remote.list_files("") if run_dir is not None else {}
         for log in (METRICS, SESSIONS):
             if log in logs:
                 _fetch_log(remote, "", log, run_dir, logs[log], say)
-        board = remote.list_files(TENSORBOARD_DIR)
+        board = remote.list_files(TENSORBOARD_DIR) if run_dir is not None else {}
         if board:  # the event files: the resumed session's purge_step drops what followed this checkpoint
             board_dir = paths.real_dir(run_dir / TENSORBOARD_DIR, say)
             for name, listed in board.items():

@@ -39,8 +39,11 @@ from .upload import SourceUnreadable
 __all__ = ["Mirror", "describe_remote", "durable_steps", "remote_checkpoints", "restore_newest"]
 
 
-def run_logs(run_dir: Path) -> list[tuple[str, Path]]:
-    """The run's logs as (remote folder, local file): metrics, sessions and TensorBoard's event files."""
+def run_logs(run_dir: Path | None) -> list[tuple[str, Path]]:
+    """The run's logs as (remote folder, local file): metrics, sessions and TensorBoard's event files (none without
+    a run dir: a Trainer's output dir keeps its own logs)."""
+    if run_dir is None:
+        return []
     logs = [("", run_dir / name) for name in (METRICS, SESSIONS)]
     board = run_dir / TENSORBOARD_DIR
     if paths.is_real_dir(board):  # a link there points outside the run dir: nothing of it is uploaded
@@ -72,7 +75,7 @@ class Mirror:
     >>> mirror = Mirror(manager, remote, run_dir, print, run_id=run_id)  # doctest: +SKIP
     """
 
-    def __init__(self, local: CheckpointManager, remote: RemoteStore, run_dir: Path,
+    def __init__(self, local: CheckpointManager, remote: RemoteStore, run_dir: Path | None,
                  say: Callable[[str], None], run_id: str | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  lost: Callable[[], str | None] = lambda: None,
@@ -93,7 +96,7 @@ class Mirror:
         self._runs: dict[int, str | None] = {}  # run id of each remote step read or uploaded
         self.placements = Placements()  # where the remote stores the bytes of each file (placement.py)
         if local.root.is_dir():
-            for step, folder, manifest in remote_checkpoints(remote, local.root):
+            for step, folder, manifest in remote_checkpoints(remote, local.root, local.layout):
                 self._runs[step] = run_of(manifest)
                 if manifest is not None:
                     ours = same_run(run_of(manifest), run_id)
@@ -200,12 +203,12 @@ class Mirror:
 
     def _gone(self, step: int) -> bool:
         """Whether local retention dropped ``step`` (its manifest goes first): its upload failing is no failure."""
-        return not paths.is_regular(self.local.root / fmt.step_dir_name(step) / fmt.MANIFEST)
+        return not paths.is_regular(self.local.folder(step) / fmt.MANIFEST)
 
     def _upload(self, step: int, listings: Listings) -> None:
         started = time.monotonic()
-        folder = fmt.step_dir_name(step)
-        source = self.local.root / folder
+        source = self.local.folder(step)
+        folder = source.name
         self.uploading = step  # before its manifest is read: a prune from now on keeps it
         try:
             manifest = manifests.read(source).body
@@ -240,14 +243,19 @@ class Mirror:
 
     def _finish(self, step: int, folder: str, source: Path, manifest: dict, reused: dict[str, str],
                 md5: dict[str, str], listings: Listings) -> None:
-        """After the payload: the logs, then the manifest (now the checkpoint exists remotely)."""
+        """After the payload: the logs, then the manifest (now the checkpoint exists remotely). The manifest uploaded
+        is the one read before the payload, and only while the local folder still holds it: a folder written again
+        meanwhile (its manifest goes first, see CheckpointManager.invalidate) may have sent a mix of old and new
+        files, and is uploaded afresh after its new commit."""
         listings.forget(folder)
         # The records up to this step are in the logs (flushed before the commit); newer ones are rolled
         # back (metrics) or purged (TensorBoard) on resume. The sessions log is the run's history.
         for log_folder, path in run_logs(self.run_dir):
             self._put_log(log_folder, path)
         body = placement.remote_body(manifest, reused, md5)  # Drive's md5s: later checks compare without downloading
-        self._put_manifest(folder, body if body is not manifest else None, source / fmt.MANIFEST)
+        if manifests.read(source).body != manifest:  # InvalidCheckpoint when it is gone: skipped like a pruned step
+            raise fmt.InvalidCheckpoint(f"{source} was committed again while it was being uploaded")
+        self._put_manifest(folder, body)
         self.placements.learn(folder, body, True, md5)
         self._runs[step] = run_of(manifest)
         self._durable_at[step] = self.clock()  # on a mount: in its cache now, uploaded by Google later
@@ -258,21 +266,18 @@ class Mirror:
         """When ``step`` became durable remotely (``clock`` time; found there at start: the start), if it is."""
         return self._durable_at.get(step) if step in self.durable else None
 
-    def _put_manifest(self, folder: str, body: dict | None, local: Path) -> None:
-        """Upload the manifest, last: now the checkpoint exists remotely. ``body``: the remote one, when it differs
-        from the local file (it places files in older folders), written to a scratch folder first."""
-        scratch = None if body is None else Path(tempfile.mkdtemp(prefix=f".remote-manifest{fmt.TMP_MARK}",
-                                                                   dir=self.local.root))
+    def _put_manifest(self, folder: str, body: dict) -> None:
+        """Upload the manifest ``body``, last: now the checkpoint exists remotely. Written to a scratch folder first
+        (the remote one may differ from the local file: it places files in older folders, and records md5s)."""
+        scratch = Path(tempfile.mkdtemp(prefix=f".remote-manifest{fmt.TMP_MARK}", dir=self.local.root))
         try:
-            if scratch is not None:
-                fmt.write_json_atomic(scratch / fmt.MANIFEST, body)
+            path = scratch / fmt.MANIFEST
+            fmt.write_json_atomic(path, body)
             self._check_open()
-            path = scratch / fmt.MANIFEST if scratch else local
             self.remote.put_file(folder, fmt.MANIFEST, path)
             self.pace.sent(path.stat().st_size)
         finally:
-            if scratch is not None:
-                shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)
 
     def _put_log(self, folder: str, path: Path) -> None:
         """Upload a log that training may be appending to, as a snapshot, unless it is unchanged (logs only
@@ -319,7 +324,7 @@ class Mirror:
             return
         anchor = min(max(settled), max(keep))
         doomed = [(step, folder) for folder in self.remote.list_checkpoints()
-                  if (step := fmt.parse_step_dir(folder)) is not None and step < anchor and step not in keep
+                  if (step := self.local.layout.parse(folder)) is not None and step < anchor and step not in keep
                   and self._ours(step, folder)]
         # Files the checkpoints that stay place in a doomed folder keep it, as a holder of just those (placement.py).
         in_use = self.placements.in_use(folder for _, folder in doomed)

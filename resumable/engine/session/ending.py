@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 from ... import log
 from ...checkpoint import CheckpointManager
-from ...checkpoint.format import step_dir_name
 from ...checkpoint.writer import CheckpointWriter
 from ...config import format_duration, parse_duration
 from ...errors import EXIT_NOT_DURABLE, EXIT_RESUME, ResumableError, StopNow
@@ -180,7 +179,7 @@ def confirm_committed(outcome: Outcome | None, manager: CheckpointManager, step:
     dir deleted or emptied under a live run must not end in "done" with no checkpoint anywhere."""
     if outcome is None or outcome.reason in ("save error", "save stuck", "lock lost"):
         return outcome
-    info = manager.check(step, manager.root / step_dir_name(step), deep=False)
+    info = manager.check(step, manager.folder(step), deep=False)
     if info.valid:
         return outcome
     log.error(f"the checkpoint of step {step} is not in {manager.root} any more ({info.reason}): was the run dir "

@@ -233,7 +233,7 @@ class StateKeeper:
     def _discard_unfinished(self, step: int) -> None:
         """After a failed save: remove its temp files and its step dir, if it has no manifest (best effort; the
         next start's cleanup catches what is left). A symlinked step dir is never followed."""
-        directory = self.manager.root / fmt.step_dir_name(step)
+        directory = self.manager.folder(step)
         try:
             if directory.is_symlink() or not directory.is_dir() or (directory / fmt.MANIFEST).exists():
                 return
