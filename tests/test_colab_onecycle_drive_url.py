@@ -16,8 +16,8 @@ from resumable import Location, Reporting, Run, platforms
 from resumable.checkpoint import CheckpointManager, checkpoints_dir
 from resumable.config import TrainConfig
 from resumable.distributed import Distributed
-from resumable.engine.arguments import as_source
 from resumable.engine.data.sources import IndexBatches
+from resumable.engine.data.wrap import as_source
 from resumable.errors import EXIT_RESUME, EXIT_USAGE, ResumableError
 from resumable.storage import open_run_location
 from resumable.tasks.mnist_task import MnistTask

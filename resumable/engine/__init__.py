@@ -1,4 +1,4 @@
-"""The training engine: :class:`~resumable.engine.run.Run` (run.py) is the facade; it wires four parts.
+"""The training engine: :class:`~resumable.engine.run.Run` (run.py) is the facade over five parts.
 
 - ``data/``: where batches come from and the exact position in them (map-style sources, the sampler, streams,
   the content check of the first batch after a resume, remapping a position when the data or world size changed).
@@ -7,6 +7,7 @@
 - ``state/``: what a checkpoint holds and how it comes back (the state keeper, loop counters and RNG streams,
   frozen tensors, verification of a resume, the computation a checkpoint must match, determinism, hardware).
 - ``rundir/``: who owns a run dir and which checkpoint a session starts from (location, lock, lease, rewind).
-- ``session/``: one session in its process (a script or a notebook kernel): the open runs and how a loop was left,
-  the fresh start, the code identity, the crash-loop check and the session's end.
+- ``session/``: one session of a Run in its process (a script or a notebook kernel): the session itself (run dir
+  opened, checkpoint loaded, the loop, its reporters), the open runs and how a loop was left, the fresh start, the
+  code identity, the crash-loop check and the session's end.
 """

@@ -1,32 +1,29 @@
 """``resumable-train``: reconcile the command line with the checkpoint, build the MNIST task, and train it
-through the same :class:`~resumable.engine.run.Run` engine users get for their own models."""
+through the same :class:`~resumable.engine.run.Run` engine users get for their own models. The engine's tool entry
+(engine/run.py ``train_task``) opens the run dir, chooses the checkpoint and asks :class:`MnistTraining` to build
+the Run for it."""
 
 from __future__ import annotations
 
-import gc
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import log
-from ..checkpoint.writer import SaveStats
 from ..config import COMPUTATION_FIELDS, SESSION_FIELDS, TrainConfig
 from ..distributed import Distributed
 from ..engine.data.sources import IndexBatches
-from ..engine.run import Run, ToolHooks
-from ..engine.rundir.run_dir import RunDir
+from ..engine.run import Opening, Run, TaskResult, ToolHooks, train_task
+from ..engine.rundir.run_dir import Choice
 from ..engine.session import identity
 from ..engine.state import hardware
-from ..engine.state.train_state import TrainState, seed_everything
+from ..engine.state.train_state import seed_everything
 from ..errors import ConfigMismatch, ResumableError
-from ..faults import installed as installed_faults
-from ..policies import from_options
+from ..policies import Location, from_options
 from . import mnist
 from .mnist_task import MnistTask
-
-_RESUME = {"auto": "auto", "resume": "must", "fresh": "never"}
 
 
 def resolve_config(explicit: dict[str, Any], saved: dict[str, Any] | None) -> TrainConfig:
@@ -58,81 +55,57 @@ def _pick_device(name: str, dist: Distributed) -> torch.device:
     return torch.device("cpu")
 
 
-@dataclass
-class TrainResult:
-    # 0 done, 75 stopped early with state committed (run again to continue); 0 as well for a stop on purpose
-    # under torchrun, recorded in RUN_DIR/stopped.json (`resumable torchrun` turns it into 75)
-    exit_code: int
-    state: TrainState
-    stats: SaveStats | None
-
-
 def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False, resume_from: int | None = None,
-          ignore_crash_loop: bool = False) -> TrainResult:
+          ignore_crash_loop: bool = False) -> TaskResult:
     """Run ``resumable-train`` with the options the user gave explicitly (``resume_from``, ``ignore_crash_loop``:
     see engine/rundir/rewind.py and engine/session/crash_loop.py)."""
-    dist = Distributed.from_env(_device_type(explicit.get("device", TrainConfig.device)))  # torchrun: join
-    log.set_rank(dist.rank)  # before the task is built: only rank 0 speaks from the start
-    try:
-        return _train(dist, explicit, mode, overwrite, resume_from, ignore_crash_loop)
-    finally:
-        # The DDP model (and the Run around it) hold the process group. Free them now, while the interpreter is
-        # whole, so that destroying the group really ends gloo's threads here and not during interpreter
-        # teardown, where a late gloo destructor can abort the process (SIGABRT) after a clean run.
-        gc.collect()
-        dist.close()
+    task = MnistTraining(explicit)
+    return train_task(task, Opening(mode, overwrite, resume_from, ignore_crash_loop))
 
 
-def _train(dist: Distributed, explicit: dict[str, Any], mode: str, overwrite: bool, resume_from: int | None,
-           ignore_crash_loop: bool) -> TrainResult:
-    run_dir = explicit.get("run_dir", TrainConfig.run_dir)
-    # What this session runs, for the crash-loop check: this task's code and the options given
-    # (engine/session/identity.py).
-    session = (identity.code_digest([__file__, mnist.__file__]), identity.config_digest(explicit))
-    rundir, choice = RunDir.open(dist, run_dir, explicit.get("cache_dir"), explicit.get("drive_credentials"), mode,
-                                 overwrite, resume_from, ignore_crash_loop or installed_faults().ignore_crash_loop,
-                                 session)
-    try:
-        run, task = _build(dist, explicit, mode, overwrite, rundir, choice)
-    except BaseException:
-        rundir.release()  # the Run never started: give the lock back here
-        raise
-    try:
-        for _epoch, _step, indices in run:
-            run.log(task.train_step(indices))
-    except BaseException as e:
-        run.close(e)  # an exception (a second Ctrl-C) ends the session here, recorded, not at interpreter teardown
-        raise
-    run.close()
-    return TrainResult(run.exit_code, run.state, run.stats)
+class MnistTraining:
+    """``resumable-train``'s task for the engine (engine/run.py ``Task``): the options given on the command line,
+    built into a Run once the checkpoint it resumes is known."""
 
+    def __init__(self, explicit: dict[str, Any]) -> None:
+        self.explicit = dict(explicit)
 
-def _build(dist: Distributed, explicit: dict[str, Any], mode: str, overwrite: bool, rundir: RunDir,
-           choice: Any) -> tuple[Run, MnistTask]:
-    saved = choice.latest.manifest.get("config") if choice.latest is not None else None
-    cfg = resolve_config(explicit, saved)
-    device = _pick_device(cfg.device, dist)
-    # Deterministic cuDNN kernels cost little on this small CNN; resumes are bit-identical on GPU too.
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
-    saved_computation = choice.latest.manifest.get("computation") if choice.latest is not None else None
-    amp, amp_switch = _resolve_amp(cfg.amp, device, saved_computation, choice.latest.step if choice.latest else 0)
-    task = MnistTask(cfg, device, world_size=dist.world_size, amp=amp)
-    if dist.active:
-        # Same initial weights on every rank (seeded, and DDP broadcasts rank 0's); other dropout masks.
-        task.model = DistributedDataParallel(task.model, device_ids=[device.index] if device.index is not None
-                                             else None)
-        if dist.rank:
-            seed_everything(cfg.seed + 1_000_003 * dist.rank)
-    policies = from_options(cfg.run_options(), cfg.run_dir, resume=_RESUME[mode], overwrite=overwrite)
-    run = Run(model=task.model, optimizer=task.optimizer, scheduler=task.scheduler, scaler=task.scaler,
-              data=IndexBatches(lambda indices: indices, len(task.data.train)), batch_size=cfg.batch_size,
-              seed=cfg.seed, evaluate=task.evaluate, device=device, amp=amp, **policies)
-    # what a checkpoint must match (the options that change the numbers), and what the next start inherits for
-    # options not given again
-    run._for_tool(ToolHooks(computation=task.computation(), settings=cfg.to_dict(), prepared=(rundir, choice),
-                            amp_switch=amp_switch))
-    return run, task
+    def device_type(self) -> str:
+        return _device_type(self.explicit.get("device", TrainConfig.device))
+
+    def location(self) -> Location:
+        given = self.explicit
+        return Location(given.get("run_dir", TrainConfig.run_dir), cache_dir=given.get("cache_dir"),
+                        credentials=given.get("drive_credentials"))
+
+    def identity(self) -> tuple[str, str]:
+        """What this session runs, for the crash-loop check: this task's code and the options given."""
+        return identity.code_digest([__file__, mnist.__file__]), identity.config_digest(self.explicit)
+
+    def build(self, dist: Distributed, choice: Choice) -> tuple[Run, Callable[[Any], torch.Tensor]]:
+        latest = choice.latest
+        cfg = resolve_config(self.explicit, latest.manifest.get("config") if latest is not None else None)
+        device = _pick_device(cfg.device, dist)
+        # Deterministic cuDNN kernels cost little on this small CNN; resumes are bit-identical on GPU too.
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        saved_computation = latest.manifest.get("computation") if latest is not None else None
+        amp, amp_switch = _resolve_amp(cfg.amp, device, saved_computation, latest.step if latest else 0)
+        task = MnistTask(cfg, device, world_size=dist.world_size, amp=amp)
+        if dist.active:
+            # Same initial weights on every rank (seeded, and DDP broadcasts rank 0's); other dropout masks.
+            task.model = DistributedDataParallel(task.model, device_ids=[device.index] if device.index is not None
+                                                 else None)
+            if dist.rank:
+                seed_everything(cfg.seed + 1_000_003 * dist.rank)
+        policies = from_options(cfg.run_options(), cfg.run_dir)
+        run = Run(model=task.model, optimizer=task.optimizer, scheduler=task.scheduler, scaler=task.scaler,
+                  data=IndexBatches(lambda indices: indices, len(task.data.train)), batch_size=cfg.batch_size,
+                  seed=cfg.seed, evaluate=task.evaluate, device=device, amp=amp, **policies)
+        # what a checkpoint must match (the options that change the numbers), and what the next start inherits for
+        # options not given again
+        run._for_tool(ToolHooks(computation=task.computation(), settings=cfg.to_dict(), amp_switch=amp_switch))
+        return run, task.train_step
 
 
 def _resolve_amp(requested: str, device: torch.device, saved: Any, step: int) -> tuple[str, dict[str, Any] | None]:

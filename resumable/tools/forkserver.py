@@ -88,7 +88,7 @@ def load(target: str) -> tuple[str, Callable[[list[str]], object]]:
 
 
 def _exit_code(result: object) -> int:
-    code = getattr(result, "exit_code", result)  # e.g. a resumable.Run or a TrainResult
+    code = getattr(result, "exit_code", result)  # e.g. a resumable.Run or a TaskResult
     return code if isinstance(code, int) and not isinstance(code, bool) else 0
 
 

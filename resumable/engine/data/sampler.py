@@ -38,7 +38,8 @@ class ResumableSampler:
     """
 
     def __init__(self, num_samples: int, batch_size: int, seed: int, shuffle: bool = True,
-                 drop_last: bool = False, rank: int = 0, world_size: int = 1) -> None:
+                 drop_last: bool = False, rank: int = 0, world_size: int = 1,
+                 allow_size_change: bool = False) -> None:
         if num_samples < 1:
             raise ValueError(f"num_samples={num_samples} must be at least 1")
         if batch_size < 1:
@@ -50,7 +51,7 @@ class ResumableSampler:
         self.drop_last = drop_last
         self.rank = rank
         self.world_size = world_size
-        self.allow_size_change = False  # set by Run(allow_data_change=True)
+        self.allow_size_change = allow_size_change  # Session(allow_data_change=True)
         self._told = False  # the trailing samples that no step takes are announced once
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its order on CPU), for upcoming()
         if self.batches_per_epoch < 1:

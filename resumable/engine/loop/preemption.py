@@ -18,7 +18,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from ... import platforms
+from ... import log, platforms
+from ...config import RunOptions, format_duration
 from ...errors import StopNow
 
 # SIGHUP: the terminal or SSH session closed; the run saves and stops as for SIGTERM.
@@ -193,3 +194,25 @@ def process_age_s() -> float:
         return max(uptime - started_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
     except (OSError, ValueError, IndexError):
         return 0.0
+
+
+def session_budget(options: RunOptions, durable_s: Callable[[int], float] | None = None) -> Budget:
+    """This session's budget: ``time_limit`` counted from the process's start, else in Colab the VM's lifetime less a
+    margin, else none. ``durable_s``: a Drive run dir's upload estimate (see Budget)."""
+    start = time.monotonic() - process_age_s()
+    if options.time_limit_s is not None:
+        return Budget(options.time_limit_s, start=start, durable_s=durable_s)
+    colab = platforms.colab_default_limit_s()
+    if colab is None:
+        return Budget(None, durable_s=durable_s)
+    lifetime, source = platforms.colab_vm_lifetime_s()
+    if colab <= 0:  # no floor: a step now would eat the margin kept for the last save before the VM goes
+        log.warning(f"Colab VM: less than {format_duration(platforms.COLAB_SAFETY_S)} is left of its "
+                    f"{format_duration(lifetime)} lifetime ({source}, counted from VM start): saving a checkpoint and "
+                    f"stopping now, before any step. Continue on a fresh runtime, or set "
+                    f"{platforms.COLAB_LIFETIME_ENV} (e.g. 24h on Colab Pro) or --time-limit if this VM lives longer")
+    else:
+        log.info(f"Colab detected: stopping cleanly after {format_duration(colab)} (before the VM's "
+                 f"{format_duration(lifetime)} lifetime, {source}, counted from VM start); pass --time-limit or set "
+                 f"{platforms.COLAB_LIFETIME_ENV} to change it")
+    return Budget(colab, durable_s=durable_s)

@@ -21,6 +21,7 @@ from ...reporting.reporters import Reporter
 from ..data.content_check import first_batch_problem, source_name
 from ..data.sampler import ResumableSampler
 from ..state.keeper import StateKeeper
+from ..state.train_state import TrainState
 from .preemption import Budget, StopFlag
 from .triggers import SaveTriggers
 from .watchdog import Watchdog
@@ -35,6 +36,10 @@ class LoopPlan:
     log_every: int = 10
     on_save_error: str = "warn"  # "warn": keep training and retry at the next trigger; "stop": exit 75
     accumulate: int = 1  # micro-batches per optimizer step
+
+    def done(self, state: TrainState) -> bool:
+        """Whether the run is complete at ``state``: every epoch trained, or ``max_steps`` reached."""
+        return state.epoch >= self.epochs or (self.max_steps is not None and state.step >= self.max_steps)
 
 
 @dataclass
@@ -159,8 +164,7 @@ class Loop:
         return self.plan.max_steps if planned is None else min(planned, self.plan.max_steps)
 
     def finished(self) -> bool:
-        return self.state.epoch >= self.plan.epochs or (
-            self.plan.max_steps is not None and self.state.step >= self.plan.max_steps)
+        return self.plan.done(self.state)
 
     def eta_s(self) -> float | None:
         """Seconds to the end of the whole run (all sessions), from this session's step and eval times."""

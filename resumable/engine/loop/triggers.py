@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+
+from ... import log
+from ...config import RunOptions, format_duration, parse_duration
 
 AUTO_MIN_S = 30.0
 AUTO_MAX_S = 30 * 60.0
@@ -47,3 +51,26 @@ class SaveTriggers:
             return None
         self.every_s = young_interval(cost_s, self.auto_mtbf_s)
         return self.every_s
+
+
+def save_triggers(options: RunOptions) -> SaveTriggers:
+    """The triggers ``options`` ask for (``checkpoint_every="auto"``: Young's interval from ``mtbf``)."""
+    if options.checkpoint_every == "auto":
+        return SaveTriggers(options.checkpoint_steps, None, auto_mtbf_s=parse_duration(options.mtbf))
+    return SaveTriggers(options.checkpoint_steps, options.checkpoint_every_s)
+
+
+def interval_notice(options: RunOptions) -> Callable[[float, float], None] | None:
+    """With ``checkpoint_every="auto"``: what says the interval chosen, each time it changes noticeably."""
+    if options.checkpoint_every != "auto":
+        return None
+    announced: list[float] = []
+
+    def announce(interval: float, cost: float) -> None:
+        if announced and abs(interval - announced[-1]) <= 0.1 * announced[-1]:
+            return
+        announced.append(interval)
+        log.info(f"--checkpoint-every auto: a save blocks training {cost * 1000:.1f} ms, MTBF {options.mtbf} "
+                 f"→ checkpoint every {format_duration(interval)}")
+
+    return announce

@@ -133,3 +133,9 @@ def cross_device_line(saved: dict[str, Any], current: dict[str, Any]) -> str | N
         return None
     return (f"checkpoint written on {label(saved)}, resuming on {label(current)}: the run continues, but "
             f"bit-identity with an uninterrupted run is only promised on the same device")
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s parameters are (the CPU for a model without any): the device ``Run`` trains on by default."""
+    parameter = next(iter(model.parameters()), None)
+    return parameter.device if parameter is not None else torch.device("cpu")

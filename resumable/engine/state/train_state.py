@@ -192,3 +192,16 @@ def as_stateful(name: str, obj: Any) -> Stateful:
         return obj
     raise TypeError(f"objects[{name!r}] is a {type(obj).__name__}, which has no state_dict()/load_state_dict(); "
                     f"pass something Stateful (or a torch/numpy/random generator, which resumable wraps)")
+
+
+def plain_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose state dict is checkpointed: inside ``torch.compile`` (``_orig_mod``) and
+    ``DistributedDataParallel`` (``module``) wrappers, so keys carry no prefix and a checkpoint loads into the
+    plain model, with or without those wrappers, on any number of GPUs."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model

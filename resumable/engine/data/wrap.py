@@ -1,0 +1,32 @@
+"""What ``Run(data=...)`` was given, turned into the source of its batches and what orders them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...distributed import Distributed
+from .sampler import ResumableSampler
+from .sources import IndexBatches, LoaderBatches
+from .stream import is_stream, stream_source
+
+
+def as_source(data: Any, loader_options: dict[str, Any], batch_size: int, seed: int, shuffle: bool, drop_last: bool,
+              dist: Distributed, allow_size_change: bool = False) -> tuple[Any, Any, int | None]:
+    """``(source, sampler, num_samples)`` for ``Run(data=...)``: the batches' source and what orders them (the
+    same object for a stream, whose number of samples is not known: None). ``allow_size_change``: a resume may find
+    the dataset grown or shrunk (Session(allow_data_change=True))."""
+    if isinstance(data, IndexBatches):
+        source, size = data, data.size
+    elif hasattr(data, "__getitem__") and hasattr(data, "__len__") and not is_stream(data):
+        source, size = LoaderBatches(data, **loader_options), len(data)
+    elif is_stream(data):
+        if dist.world_size > 1:
+            raise ValueError("iterable data under torchrun is not supported yet (each rank's stream position would "
+                             "need its own entry): use a map-style dataset, or train in one process")
+        stream = stream_source(data, batch_size, seed, drop_last, loader_options)
+        return stream, stream, None
+    else:
+        raise TypeError(f"data must be a map-style Dataset (with __getitem__ and __len__), an iterable (an "
+                        f"IterableDataset, a stateful loader) or resumable.IndexBatches, not {type(data).__name__}")
+    return source, ResumableSampler(size, batch_size, seed, shuffle=shuffle, drop_last=drop_last, rank=dist.rank,
+                                    world_size=dist.world_size, allow_size_change=allow_size_change), size
