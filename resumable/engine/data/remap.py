@@ -7,8 +7,8 @@ from typing import Any
 
 from ... import log
 from ...errors import ResumableError
-from .sampler import ResumableSampler
 from ..state.train_state import TrainState
+from .sampler import ResumableSampler
 
 
 def accept_data_change(info: Any, now: int | None, state: TrainState) -> tuple[int, int] | None:

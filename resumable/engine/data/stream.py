@@ -43,8 +43,8 @@ from torch.utils.data._utils.collate import default_collate
 
 from ... import log
 from ...errors import ResumableError, ResumeNotApplied
-from .sources import _Seeded, batch_seed, shut_down, worker_options
 from .sampler import epoch_seed
+from .sources import _Seeded, batch_seed, shut_down, worker_options
 
 _RESERVED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator")
 _END = -1  # the size of a worker's end-of-stream mark

@@ -1,4 +1,5 @@
-"""Command-line entry points: ``resumable-train`` and the ``resumable`` command group."""
+"""The ``resumable`` command group: inspect, verify, chaos, drive-login, and the lazily imported export, torchrun
+and plot."""
 
 from __future__ import annotations
 
@@ -13,236 +14,14 @@ from typing import Any
 
 import click
 
-from .config import AMP_MODES, DEVICES, LR_SCHEDULES, SEED_MAX, TrainConfig, parse_duration, parse_size, path_problem
-
-# click parameter name -> TrainConfig field, for options that map one to one.
-_CONFIG_OPTIONS = ("run_dir", "data_dir", "epochs", "max_steps", "batch_size", "lr", "seed", "device",
-                   "lr_schedule", "amp", "checkpoint_steps", "checkpoint_every", "mtbf", "time_limit",
-                   "sync_checkpoints", "on_save_error",
-                   "keep", "keep_best", "log_every", "tensorboard", "wandb", "download", "progress", "cache_dir",
-                   "drive_credentials", "drive_flush_timeout", "store_frozen", "shard_size", "staging_memory",
-                   "hang_timeout", "quiet")
-
-
-class Duration(click.ParamType):
-    """A duration such as 90s, 5m or 1h30m (kept as text; parsed in one place, config.parse_duration)."""
-
-    name = "duration"
-
-    def __init__(self, allow: tuple[str, ...] = ()) -> None:
-        self.allow = allow
-
-    def convert(self, value, param, ctx):  # noqa: ANN001 - click's signature
-        if value is None or value in self.allow:
-            return value
-        try:
-            parse_duration(str(value))
-        except ValueError as e:
-            extra = f" or {' / '.join(self.allow)}" if self.allow else ""
-            self.fail(f"{e}{extra}", param, ctx)
-        return str(value)
-
-
-class Size(click.ParamType):
-    """A size such as 256MB, 2GiB or a number of bytes (kept as text; parsed in one place, config.parse_size)."""
-
-    name = "size"
-
-    def convert(self, value, param, ctx):  # noqa: ANN001 - click's signature
-        if value is None:
-            return value
-        try:
-            parse_size(str(value))
-        except ValueError as e:
-            self.fail(str(e), param, ctx)
-        return str(value)
-
-
-class PositiveFinite(click.FloatRange):
-    """A float above 0 that is a number: click's FloatRange lets ``nan`` (every comparison is False) and ``inf``
-    through, and a nan learning rate trains to the end on NaN weights."""
-
-    name = "positive number"
-
-    def __init__(self) -> None:
-        super().__init__(min=0, min_open=True)
-
-    def convert(self, value, param, ctx):  # noqa: ANN001 - click's signature
-        number = super().convert(value, param, ctx)
-        if number != number or number in (float("inf"), float("-inf")):
-            self.fail(f"{value!r} is not a finite number", param, ctx)
-        return number
-
-
-# Folder options checked up front (empty, too long for the file system) before anything is created.
-_PATH_OPTIONS = (("run_dir", "--run-dir"), ("data_dir", "--data-dir"), ("cache_dir", "--cache-dir"))
-
-
-def _writable_dir(path: str) -> bool:
-    """True if ``path`` exists as a writable directory or could be created."""
-    target = Path(path).absolute()
-    while not target.exists():
-        if target.parent == target:
-            return False
-        target = target.parent
-    return target.is_dir() and os.access(target, os.W_OK | os.X_OK)
-
-
-def _fail(message: str) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(2)
-
-
-class _Program(click.Command):
-    """A command that ends with :func:`_exit_now` when it is run as a program (called, as its console script and
-    ``resumable chaos``'s fork server do); ``CliRunner`` and other in-process callers use ``main`` and get the
-    usual ``SystemExit``."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return self.main(*args, **kwargs)
-        except SystemExit as e:
-            if e.code is None or isinstance(e.code, int):
-                _exit_now(e.code or 0)
-            raise
-
-
-@click.command(cls=_Program, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--run-dir", default=TrainConfig.run_dir, show_default=True,
-              help="Where checkpoints and metrics.jsonl live: a path (local or a mounted Drive folder) or "
-              "gdrive://<folder-id or root>/<path>. Re-running with the same --run-dir resumes.")
-@click.option("--data-dir", type=click.Path(file_okay=False), default=TrainConfig.data_dir, show_default=True,
-              help="Folder holding MNIST/raw/ (torchvision layout); downloaded there when missing.")
-@click.option("--epochs", type=click.IntRange(min=1), default=TrainConfig.epochs, show_default=True)
-@click.option("--max-steps", type=click.IntRange(min=0), default=None,
-              help="Stop after this many optimizer steps in total (across resumes).")
-@click.option("--batch-size", type=click.IntRange(min=1), default=TrainConfig.batch_size, show_default=True)
-@click.option("--lr", type=PositiveFinite(), default=TrainConfig.lr, show_default=True)
-@click.option("--seed", type=click.IntRange(min=0, max=SEED_MAX), default=TrainConfig.seed, show_default=True)
-@click.option("--device", type=click.Choice(DEVICES), default=TrainConfig.device, show_default=True)
-@click.option("--lr-schedule", type=click.Choice(LR_SCHEDULES), default=TrainConfig.lr_schedule,
-              show_default=True, help="step: x0.7 each epoch; onecycle: OneCycleLR over the whole run.")
-@click.option("--amp", type=click.Choice(AMP_MODES), default=TrainConfig.amp, show_default=True,
-              help="Mixed precision: bf16, or fp16 with a GradScaler; auto: bf16 on GPUs with native bf16 (sm_80+), "
-              "fp16 on older GPUs, none on CPU (a resumed run keeps its own unless it is bf16 on an older GPU).")
-@click.option("--checkpoint-steps", type=click.IntRange(min=1), default=None,
-              help="Also checkpoint every N optimizer steps (always at each epoch end and at the end).")
-@click.option("--checkpoint-every", type=Duration(allow=("auto",)), default=TrainConfig.checkpoint_every,
-              show_default=True, help="Checkpoint every DURATION of wall clock (90s, 5m, 1h30m), or 'auto': "
-              "sqrt(2 x save cost x --mtbf), within 30s..30m.")
-@click.option("--mtbf", type=Duration(), default=TrainConfig.mtbf, show_default=True,
-              help="Expected time between failures, for --checkpoint-every auto.")
-@click.option("--time-limit", type=Duration(), default=None,
-              help="Session budget: commit a checkpoint and exit 75 before this much time has passed "
-              "(counted from process start). In Colab it defaults to the time left before the 12 h VM limit.")
-@click.option("--sync-checkpoints", is_flag=True, default=False,
-              help="Write checkpoints on the training thread instead of in the background.")
-@click.option("--on-save-error", type=click.Choice(("warn", "stop")), default=TrainConfig.on_save_error,
-              show_default=True, help="When a checkpoint cannot be written (disk full, I/O error): warn loudly "
-              "and retry at the next trigger, or stop with exit 75.")
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
-              help="Local cache for Drive run dirs (default: ~/.cache/resumable).")
-@click.option("--drive-credentials", type=click.Path(dir_okay=False), default=None,
-              help="Service-account JSON key or a token from `resumable drive-login` (for gdrive:// run dirs).")
-@click.option("--drive-flush-timeout", type=Duration(), default=TrainConfig.drive_flush_timeout,
-              show_default=True, help="At exit, wait at most this long for checkpoints to reach Drive.")
-@click.option("--keep", type=click.IntRange(min=1), default=TrainConfig.keep, show_default=True,
-              help="Number of newest checkpoints to keep.")
-@click.option("--keep-best/--no-keep-best", default=TrainConfig.keep_best, show_default=True,
-              help="Also keep the checkpoint with the best test accuracy.")
-@click.option("--log-every", type=click.IntRange(min=1), default=TrainConfig.log_every, show_default=True,
-              help="Write a training record to metrics.jsonl every N steps.")
-@click.option("--store-frozen", is_flag=True, default=False,
-              help="Store frozen tensors too (default: tensors without grad that no optimizer owns and that never "
-                   "change are recorded by their sha256 and checked on resume, not written).")
-@click.option("--shard-size", type=Size(), default=TrainConfig.shard_size, show_default=True,
-              help="Most tensor bytes per safetensors file of a checkpoint (e.g. 256MB, 1GiB).")
-@click.option("--staging-memory", type=Size(), default=None,
-              help="Host memory that asynchronous saves copy the state into (e.g. 4GB; 0: none). Training waits "
-                   "while the part that does not fit is written. Default: half of the free host memory.")
-@click.option("--hang-timeout", type=Duration(allow=("auto", "off")), default=TrainConfig.hang_timeout,
-              show_default=True, help="Exit 76 with every thread's stack in RUN_DIR/hang-*.txt when no step completes "
-              "for this long (evaluation and saves excepted; a session's first step gets at least 15m); 'auto': "
-              "max(10 x p99 step time, 5m); 'off'.")
-@click.option("--resume-from", type=click.IntRange(min=0), default=None, metavar="STEP",
-              help="Resume from the checkpoint of STEP instead of the newest; the newer ones are moved to "
-              "RUN_DIR/set-aside/.")
-@click.option("--ignore-crash-loop", is_flag=True, default=False,
-              help="Start even when the last 3 sessions all failed from the same step (otherwise exit 77).")
-@click.option("--tensorboard", is_flag=True, default=TrainConfig.tensorboard,
-              help="Also write TensorBoard events to RUN_DIR/tensorboard (pip install 'resumable[tensorboard]').")
-@click.option("--wandb", metavar="PROJECT", default=None,
-              help="Also log the metrics to Weights & Biases project PROJECT: one W&B run across every session "
-              "(pip install 'resumable[wandb]'; WANDB_MODE=offline works).")
-@click.option("--download/--no-download", default=TrainConfig.download, show_default=True,
-              help="Download MNIST when the files are missing.")
-@click.option("--progress/--no-progress", default=TrainConfig.progress, show_default=True,
-              help="Show tqdm progress bars.")
-@click.option("--quiet", is_flag=True, default=TrainConfig.quiet,
-              help="Print only warnings, errors and the final summary (no progress bars, no per-epoch lines).")
-@click.option("--resume", "mode", flag_value="resume", help="Require a checkpoint to resume from.")
-@click.option("--fresh", "mode", flag_value="fresh", help="Start over (refused if checkpoints exist, "
-              "unless --overwrite).")
-@click.option("--overwrite", is_flag=True, help="With --fresh: delete existing checkpoints and metrics.")
-@click.pass_context
-def train_command(ctx: click.Context, mode: str | None, overwrite: bool, resume_from: int | None,
-                  ignore_crash_loop: bool, **options: Any) -> None:
-    """Train the MNIST CNN of the classic Colab guide, resumably.
-
-    Kill it at any moment and run the same command again: it continues from the newest valid
-    checkpoint and ends with the same weights as a run that was never interrupted.
-    """
-    from .engine.loop.preemption import install_startup_handlers
-
-    install_startup_handlers()  # first: a SIGTERM or Ctrl-C while torch imports is a clean stop, not a traceback
-    if options["quiet"]:
-        from . import log
-
-        log.set_quiet(True)  # the whole command: the task's own lines too
-    explicit = {name: options[name] for name in _CONFIG_OPTIONS
-                if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT}
-    explicit["run_dir"] = options["run_dir"]
-    if overwrite and mode != "fresh":
-        raise click.UsageError("--overwrite only makes sense with --fresh")
-    if resume_from is not None and mode == "fresh":
-        raise click.UsageError("--resume-from continues from a checkpoint and --fresh starts over: give one of them")
-    for name, flag in _PATH_OPTIONS:
-        value = options[name]
-        remote = name == "run_dir" and value.startswith("gdrive://")  # a Drive URL is checked where it is parsed
-        problem = None if value is None or remote else path_problem(value)
-        if problem:
-            shown = repr(value) if len(value) <= 80 else f"{value[:60]!r}... ({len(value)} characters)"
-            raise click.BadParameter(f"{shown} {problem}", param_hint=flag)
-    if not options["run_dir"].startswith("gdrive://") and not _writable_dir(options["run_dir"]):
-        raise click.BadParameter(f"{options['run_dir']!r} is not a writable directory (or cannot be created)",
-                                 param_hint="--run-dir")
-    try:
-        TrainConfig(**{**explicit})  # validate before touching anything
-    except ValueError as e:
-        raise click.UsageError(str(e)) from e
-
-    from .errors import EXIT_INTERRUPTED, ResumableError, StopNow
-
-    try:
-        from .tasks.train_mnist import train  # heavy imports (torch) after cheap validation
-
-        code = train(explicit, mode=mode or "auto", overwrite=overwrite, resume_from=resume_from,
-                     ignore_crash_loop=ignore_crash_loop).exit_code
-    except ResumableError as e:  # the one place errors become exit codes (2: bad input, 75: run again, 77: loop)
-        _echo_err(f"error: {e}")
-        _exit(e.exit_code)
-    except KeyboardInterrupt:
-        _echo_err("interrupted; the newest committed checkpoint is intact — run the same command to continue")
-        _exit(EXIT_INTERRUPTED)
-    except StopNow as e:  # a second SIGTERM while a checkpoint save was running
-        _echo_err(f"error: {e}")
-        _exit(e.exit_code)
-    _exit(code)
+from ..config import parse_duration
+from .exits import fail
+from .params import Duration
 
 
 def checkpoint_status(entry: dict[str, Any]) -> str:
     """The status column of ``resumable inspect`` for one local or remote checkpoint entry."""
-    from .storage.placement import HOLDER
+    from ..storage.placement import HOLDER
 
     if entry["valid"]:
         status = "durable on Drive" if entry.get("durable") else "valid"
@@ -256,47 +35,6 @@ def checkpoint_status(entry: dict[str, Any]) -> str:
         status = f"INVALID: {entry['reason']}"
     return status + (f" ({entry['note']})" if entry.get("note") else "")
 
-
-def _echo_err(message: str) -> None:
-    """A last message on stderr; its reader may be gone (a closed pipe, `| head`), which must not change the
-    exit code."""
-    try:
-        click.echo(message, err=True)
-    except OSError:
-        pass
-
-
-def _exit(code: int) -> None:
-    """Exit with ``code`` even when stderr's reader is gone: Python would otherwise fail flushing it at shutdown
-    and exit 120 with a BrokenPipeError. Fast when nothing is left running (see :func:`_exit_now`)."""
-    try:
-        sys.stderr.flush()
-    except OSError:
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
-        except (OSError, ValueError):
-            pass
-    sys.exit(code)
-
-
-def _exit_now(code: int) -> None:
-    """End the process at once when the work is over: the exit handlers run (``atexit``: the Run's own, W&B's,
-    logging's), then the interpreter's teardown is skipped. Tearing down torch's modules and static objects took
-    ~0.9 s of every resumable-train process (the run was complete, every file closed and fsynced). Not taken while
-    another thread or a child process is alive: then Python's own exit joins them as usual."""
-    import atexit
-    import multiprocessing
-    import threading
-
-    from . import log
-
-    if any(t is not threading.main_thread() and t.is_alive() and not t.daemon for t in threading.enumerate()):
-        return
-    if multiprocessing.active_children():
-        return
-    atexit._run_exitfuncs()
-    log.flush_outputs()
-    os._exit(code)
 
 
 class _LazyGroup(click.Group):
@@ -335,10 +73,10 @@ def inspect(run_dir: str, as_json: bool, drive_credentials: str | None, deep: bo
     sizes, and the md5 Drive reports against the one the manifest records, without downloading; --deep
     downloads and checks each file's sha256.
     """
-    from .checkpoint import CheckpointManager, checkpoints_dir
-    from .reporting.history import SESSIONS, read_sessions
-    from .storage import StorageError, open_run_location
-    from .storage.tiered import describe_remote
+    from ..checkpoint import CheckpointManager, checkpoints_dir
+    from ..reporting.history import SESSIONS, read_sessions
+    from ..storage import StorageError, open_run_location
+    from ..storage.tiered import describe_remote
 
     try:
         location = open_run_location(run_dir, credentials=drive_credentials)
@@ -354,7 +92,7 @@ def inspect(run_dir: str, as_json: bool, drive_credentials: str | None, deep: bo
                        for i in CheckpointManager(checkpoints_dir(run_dir)).inspect(deep=True)]
             sessions = read_sessions(Path(run_dir))
     except (StorageError, ValueError) as e:  # ValueError: a malformed or misspelt Drive URL, named with the fix
-        _fail(str(e))
+        fail(str(e))
     latest = next((e for e in reversed(entries) if e["valid"]), None)
     if as_json:
         click.echo(json.dumps({"run_dir": run_dir, "checkpoints": entries, "latest_valid": latest,
@@ -437,8 +175,8 @@ def chaos(target: str, kills: int, fault: str | None, signal_mode: str, seed: in
       resumable chaos --target command -- torchrun --nproc-per-node 2 train.py --run-dir {run_dir}
       resumable chaos --fault drive --kills 8 -- --run-dir gdrive://root/chaos-test/{run_dir} --max-steps 300
     """
-    from .faults import Faults
-    from .tools.chaos import Chaos, Target, format_report, report_json
+    from ..faults import Faults
+    from ..tools.chaos import Chaos, Target, format_report, report_json
 
     try:
         chosen = Target.parse(target, args)
@@ -464,7 +202,7 @@ def chaos(target: str, kills: int, fault: str | None, signal_mode: str, seed: in
     try:
         report = runner.run(Path(reference) if reference else None)
     except RuntimeError as e:
-        _fail(str(e))
+        fail(str(e))
     click.echo(report_json(report) if as_json else format_report(report))
     sys.exit(0 if report.verdict == "IDENTICAL" else 1)
 
@@ -476,8 +214,8 @@ def chaos(target: str, kills: int, fault: str | None, signal_mode: str, seed: in
               help="Where to save the token (default ~/.config/resumable/drive-token.json, mode 0600).")
 def drive_login(client_secrets: str, token: str | None) -> None:
     """Authorise resumable to use your Google Drive from a shell (command-line OAuth flow)."""
-    from .storage.auth import DEFAULT_TOKEN
-    from .storage.auth import drive_login as login
+    from ..storage.auth import DEFAULT_TOKEN
+    from ..storage.auth import drive_login as login
 
     path = login(client_secrets, Path(token) if token else DEFAULT_TOKEN)
     click.echo(f"saved a Drive token to {path} (readable by you only); gdrive:// run dirs will use it")
@@ -496,8 +234,8 @@ def verify(run_dir: str, drive_credentials: str | None, deep: bool) -> None:
     A step folder without a manifest (a save killed half-way) is not a checkpoint: it is listed as an unfinished
     save and not judged, since a start ignores it and removes it. A gdrive:// run dir is checked on Drive without
     downloading the payload (sizes, and md5 where the manifest records it), or hashed with --deep."""
-    from .checkpoint import CheckpointManager, checkpoints_dir
-    from .storage.gdrive import is_drive_url, misspelt_drive_url
+    from ..checkpoint import CheckpointManager, checkpoints_dir
+    from ..storage.gdrive import is_drive_url, misspelt_drive_url
 
     if is_drive_url(run_dir) or misspelt_drive_url(run_dir):  # a misspelt one is refused there, with the fix
         _verify_drive(run_dir, drive_credentials, deep)
@@ -513,7 +251,7 @@ def verify(run_dir: str, drive_credentials: str | None, deep: bool) -> None:
     committed = [info for info in infos if info.committed]
     if not committed:
         unfinished = f" (only {len(infos)} unfinished save(s))" if infos else ""
-        _fail(f"no checkpoints in {checkpoints_dir(run_dir)}{unfinished}")
+        fail(f"no checkpoints in {checkpoints_dir(run_dir)}{unfinished}")
     if not committed[-1].valid:
         fallback = next((i.step for i in reversed(committed) if i.valid), None)
         then = (f"the next start resumes from step {fallback}, the newest valid one" if fallback is not None else
@@ -524,9 +262,9 @@ def verify(run_dir: str, drive_credentials: str | None, deep: bool) -> None:
 
 def _verify_drive(run_dir: str, credentials: str | None, deep: bool) -> None:
     """verify for a gdrive:// run dir: what a fresh machine would restore from, checked where it is."""
-    from .storage import StorageError, open_run_location
-    from .storage.durable import INCOMPLETE, describe_remote
-    from .storage.placement import HOLDER
+    from ..storage import StorageError, open_run_location
+    from ..storage.durable import INCOMPLETE, describe_remote
+    from ..storage.placement import HOLDER
 
     try:
         remote = open_run_location(run_dir, credentials=credentials).remote
@@ -534,7 +272,7 @@ def _verify_drive(run_dir: str, credentials: str | None, deep: bool) -> None:
         with tempfile.TemporaryDirectory() as scratch:
             entries = describe_remote(remote, Path(scratch), deep=deep)
     except (StorageError, ValueError) as e:  # ValueError: a malformed gdrive:// URL, named with the fix
-        _fail(str(e))
+        fail(str(e))
     committed = []
     for entry in entries:
         if entry["reason"] == INCOMPLETE:  # no manifest: never a checkpoint, ignored by a restore
@@ -549,7 +287,7 @@ def _verify_drive(run_dir: str, credentials: str | None, deep: bool) -> None:
             else:
                 click.echo(f"step {entry['step']}: INVALID: {entry['reason']}")
     if not committed:
-        _fail(f"no checkpoints on {remote.description}")
+        fail(f"no checkpoints on {remote.description}")
     if not committed[-1]["valid"]:
         fallback = next((e["step"] for e in reversed(committed) if e["valid"]), None)
         then = (f"the next start resumes from step {fallback}, the newest valid one" if fallback is not None else
