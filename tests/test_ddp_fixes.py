@@ -21,6 +21,7 @@ from helpers import env, records
 from resumable.checkpoint.writer import SaveStats
 from resumable.distributed import Distributed
 from resumable.engine.data.sampler import ResumableSampler
+from resumable.engine.loop.plan import LoopPlan
 from resumable.engine.loop.torchrun_stop import (
     STOPPED,
     PlannedStop,
@@ -29,7 +30,7 @@ from resumable.engine.loop.torchrun_stop import (
     record_planned_stop,
     write_planned_stop,
 )
-from resumable.engine.loop.training_loop import Loop, LoopPlan
+from resumable.engine.loop.training_loop import Loop
 from resumable.engine.loop.triggers import SaveTriggers
 from resumable.engine.state.train_state import TrainState
 from resumable.faults import NO_FAULTS

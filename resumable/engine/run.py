@@ -43,7 +43,7 @@ from ..policies import Checkpointing, Loader, Location, Reporting, Session, loca
 from ..reporting.wandb import require_wandb
 from .data.sources import IndexBatches
 from .data.wrap import as_source
-from .loop.training_loop import Outcome
+from .loop.plan import Outcome
 from .rundir.run_dir import Choice, RunDir
 from .session import identity, open_runs
 from .session.training_session import TrainingSession

@@ -8,7 +8,6 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,43 +20,12 @@ from ...reporting.reporters import Reporter
 from ..data.content_check import first_batch_problem, source_name
 from ..data.sampler import ResumableSampler
 from ..state.keeper import StateKeeper
-from ..state.train_state import TrainState
+from .plan import Estimate, LoopPlan, Outcome
 from .preemption import Budget, StopFlag
 from .triggers import SaveTriggers
 from .watchdog import Watchdog
 
 STOP_GRACE_S = 10.0  # after a stop is asked for, a save the loop waits for gets this long (or 3x the slowest save)
-
-
-@dataclass(frozen=True)
-class LoopPlan:
-    epochs: int
-    max_steps: int | None = None
-    log_every: int = 10
-    on_save_error: str = "warn"  # "warn": keep training and retry at the next trigger; "stop": exit 75
-    accumulate: int = 1  # micro-batches per optimizer step
-
-    def done(self, state: TrainState) -> bool:
-        """Whether the run is complete at ``state``: every epoch trained, or ``max_steps`` reached."""
-        return state.epoch >= self.epochs or (self.max_steps is not None and state.step >= self.max_steps)
-
-
-@dataclass
-class Outcome:
-    finished: bool
-    reason: str  # "finished", or why it stopped early: a signal name, "time limit", "save error", "save stuck",
-    # "lock lost"
-
-
-class _Estimate:
-    """Exponential moving average of a duration, for budget decisions."""
-
-    def __init__(self, alpha: float = 0.2) -> None:
-        self.alpha = alpha
-        self.value = 0.0
-
-    def add(self, seconds: float) -> None:
-        self.value = seconds if self.value == 0.0 else self.alpha * seconds + (1 - self.alpha) * self.value
 
 
 class Loop:
@@ -100,8 +68,8 @@ class Loop:
         self._save_error: str | None = None  # set under --on-save-error stop
         self._loss: torch.Tensor | None = None
         self._pending: Pending | None = None  # the step decision issued at the previous boundary (DDP)
-        self.step_time = _Estimate()
-        self.eval_time = _Estimate()
+        self.step_time = Estimate()
+        self.eval_time = Estimate()
         self._clock = time.monotonic()
         self._session_start_step = self.state.step
         self.watchdog = watchdog  # ticked at each step, paused around evaluation, bounding blocking saves

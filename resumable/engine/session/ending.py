@@ -11,8 +11,8 @@ from ...checkpoint.writer import CheckpointWriter
 from ...config import format_duration, parse_duration
 from ...errors import EXIT_NOT_DURABLE, EXIT_RESUME, ResumableError, StopNow
 from ...storage.tiered import Mirror
+from ..loop.plan import Outcome
 from ..loop.preemption import Budget, StopFlag
-from ..loop.training_loop import Outcome
 from ..state.keeper import StateKeeper
 from ..state.train_state import TrainState
 

@@ -28,9 +28,10 @@ from ...reporting.reporters import Reporters
 from ...reporting.wandb import WANDB_ID, choose_id
 from ...storage.tiered import Mirror
 from ..loop.evaluation import evaluator
+from ..loop.plan import LoopPlan, Outcome
 from ..loop.preemption import Budget, StopFlag, session_budget
 from ..loop.torchrun_stop import planned_stop_before_restart, record_planned_stop
-from ..loop.training_loop import Loop, LoopPlan, Outcome
+from ..loop.training_loop import Loop
 from ..loop.triggers import interval_notice, save_triggers
 from ..loop.watchdog import Watchdog, start_watchdog
 from ..rundir.run_dir import Choice, RunDir

@@ -28,6 +28,7 @@ from ...faults import NO_FAULTS, Faults
 from ..data import content_check
 from . import determinism, hardware
 from .compatibility import check_computation
+from .fits import check_fits, check_position
 from .frozen import FrozenTensors
 from .train_state import Stateful, TrainState, capture_rng, restore_rng
 from .verify import verify_restored
@@ -43,19 +44,6 @@ def owned(state: Any) -> Any:
     checkpoint's files (mapped, so that restoring costs no second copy of the model); an object that keeps them
     (an optimizer's moments) would keep the file's space allocated after retention deleted it."""
     return map_leaves(state, lambda _path, leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf)
-
-
-def _check_position(position: Any, manifest: dict[str, Any]) -> None:
-    """The manifest must describe its payload: the step and data position it claims are the payload's own (a step
-    folder copied under a newer step's name, its manifest re-sealed, is not that step: it would resume as the newer
-    step and lose the steps between in every later session)."""
-    if not isinstance(position, dict):
-        raise InvalidCheckpoint(f"its payload's loop position is a {type(position).__name__}, not a record")
-    differs = [key for key in fmt.POSITION if manifest.get(key) is not None and position.get(key) != manifest[key]]
-    if differs:
-        shown = lambda record: ", ".join(f"{key} {record.get(key)}" for key in differs)  # noqa: E731
-        raise InvalidCheckpoint(f"its manifest says {shown(manifest)}, but its payload holds {shown(position)}: the "
-                                f"manifest does not describe this payload (a folder copied or renamed?)")
 
 
 class StateKeeper:
@@ -312,13 +300,14 @@ class StateKeeper:
         missing = sorted(expected - set(payload))
         if missing:
             raise InvalidCheckpoint(f"payload lacks {missing}")
-        self._check_fits(payload, set(frozen), trainable)  # before it is walked (fingerprint) or loaded into anything
+        # before it is walked (fingerprint) or loaded into anything
+        check_fits(self.objects, payload, set(frozen), lambda: self.frozen.trainable_difference(trainable))
         version = info.manifest.get("fingerprint_version", 1)
         found = (digests.of_payload(payload) if version == digests.VERSION
                  else fingerprint(payload["model"], payload["optimizer"]))
         if found != info.fingerprint:
             raise InvalidCheckpoint("payload does not match the manifest's training-state fingerprint")
-        _check_position(payload[_TRAIN_STATE], info.manifest)
+        check_position(payload[_TRAIN_STATE], info.manifest)
         rng, counters, self.data_next = self._my_rank_state(payload)
         self.frozen.restore_trainable(trainable, info.step)  # trainable flags are state (gradual unfreezing)
         built = self.frozen.built(payload["model"] if isinstance(payload["model"], dict) else ())
@@ -329,7 +318,7 @@ class StateKeeper:
             if payload[name] is None:
                 raise InvalidCheckpoint(f"checkpoint has no {name} state but this run uses one")
             if name == "model" and isinstance(obj, torch.nn.Module):  # copied into the parameters and buffers
-                obj.load_state_dict(payload[name], strict=not frozen)  # _check_fits: only frozen keys are absent
+                obj.load_state_dict(payload[name], strict=not frozen)  # check_fits: only frozen keys are absent
             else:  # an optimizer keeps the tensors it is given: its own copies, not views of a checkpoint file
                 obj.load_state_dict(owned(payload[name]))
         self.frozen.loaded(built)  # what the script built and the checkpoint agrees with may be left out again
@@ -344,42 +333,6 @@ class StateKeeper:
         self.last_saved_step = info.step
         self.resumed_from = info
         self._last_size = info.size  # the free-space check has an estimate from the first save on
-
-    def _check_fits(self, payload: dict[str, Any], frozen: set[str] | frozenset[str] = frozenset(),
-                    trainable: list[str] | None = None) -> None:
-        """The saved model and optimizer state must have the live objects' structure: the model's keys (less the
-        ``frozen`` ones, not stored), shapes and dtypes, the optimizer's parameter groups and their sizes.
-        Otherwise this checkpoint is invalid (raised before anything is modified; an older one may fit)."""
-        model, saved = self.objects["model"], payload["model"]
-        if isinstance(model, torch.nn.Module):
-            live = model.state_dict()
-            if not isinstance(saved, dict):
-                raise InvalidCheckpoint(f"its model state is a {type(saved).__name__}: it does not fit this model")
-            missing, extra = sorted(set(live) - set(saved) - frozen), sorted(set(saved) - set(live))
-            if missing or extra:
-                raise InvalidCheckpoint(f"its model state does not fit this model (missing {missing[:3]}, "
-                                        f"unexpected {extra[:3]})")
-            for key, tensor in live.items():
-                if key in frozen and key not in saved:
-                    continue
-                other = saved[key]
-                if not isinstance(other, torch.Tensor) or (other.shape, other.dtype) != (tensor.shape, tensor.dtype):
-                    found = (f"{tuple(other.shape)} {other.dtype}" if isinstance(other, torch.Tensor)
-                             else type(other).__name__)
-                    raise InvalidCheckpoint(f"its model state does not fit this model ({key}: checkpoint {found}, "
-                                            f"this model {tuple(tensor.shape)} {tensor.dtype})")
-        optimizer, saved_opt = self.objects["optimizer"], payload["optimizer"]
-        groups = getattr(optimizer, "param_groups", None)
-        if isinstance(groups, list) and isinstance(saved_opt, dict):
-            saved_groups = saved_opt.get("param_groups")
-            sizes = [len(g["params"]) for g in groups]
-            if not isinstance(saved_groups, list) or [len(g.get("params", ())) if isinstance(g, dict) else -1
-                                                      for g in saved_groups] != sizes:
-                flags = self.frozen.trainable_difference(trainable)
-                raise InvalidCheckpoint(f"its optimizer state does not fit this optimizer (parameter groups of "
-                                        f"sizes {sizes} here)" + (f"; requires_grad differs from the checkpoint "
-                                        f"({flags}): build the optimizer over the parameters the run trained (the "
-                                        f"same LoRA config and target_modules)" if flags else ""))
 
     def _restore_modes(self, modes: Any) -> None:
         if not isinstance(self.modules, torch.nn.Module) or not isinstance(modes, list):
