@@ -11,8 +11,8 @@ from helpers import final_fingerprint, policies
 
 from resumable import Run, faults
 from resumable.cli import train_command
+from resumable.engine.rundir.crash_loop import crash_loop
 from resumable.engine.session import open_runs
-from resumable.engine.session.crash_loop import crash_loop
 from resumable.errors import EXIT_CRASH_LOOP, CrashLoop
 from resumable.faults import Faults
 from resumable.reporting.history import SessionRecord, read_sessions

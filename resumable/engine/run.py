@@ -283,7 +283,7 @@ class Run:
 @dataclass(frozen=True)
 class Opening:
     """How a tool's run dir is opened: ``mode`` (auto, resume, fresh), ``overwrite``, ``resume_from`` (rewind to
-    that step: engine/rundir/rewind.py), ``ignore_crash_loop`` (engine/session/crash_loop.py)."""
+    that step: engine/rundir/rewind.py), ``ignore_crash_loop`` (engine/rundir/crash_loop.py)."""
 
     mode: str = "auto"
     overwrite: bool = False

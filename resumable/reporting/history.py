@@ -16,7 +16,7 @@ killed (or is still running). Records::
 (``SIGTERM``, ``SIGTERM (at once)`` for a second one during a save), ``hang`` (the step watchdog fired:
 engine/loop/watchdog.py), ``break`` (the loop was left early: a ``break``, or an exception that the caller caught around
 the loop), ``closed`` or ``error: TYPE`` (an exception); ``error`` says what failed (for an exception, its type and
-message), which the crash-loop check (engine/session/crash_loop.py) quotes. A session may have a second end record: a
+message), which the crash-loop check (engine/rundir/crash_loop.py) quotes. A session may have a second end record: a
 loop left by an exception first records ``break`` (the generator cannot see the exception) and then the exception, once
 the script or notebook cell reports it (engine/session/open_runs.py); the last end record of a session counts. ``code``
 and ``config`` are digests of the code that built and iterated the Run and of its options (engine/session/identity.py):

@@ -58,7 +58,7 @@ def _pick_device(name: str, dist: Distributed) -> torch.device:
 def train(explicit: dict[str, Any], mode: str = "auto", overwrite: bool = False, resume_from: int | None = None,
           ignore_crash_loop: bool = False) -> TaskResult:
     """Run ``resumable-train`` with the options the user gave explicitly (``resume_from``, ``ignore_crash_loop``:
-    see engine/rundir/rewind.py and engine/session/crash_loop.py)."""
+    see engine/rundir/rewind.py and engine/rundir/crash_loop.py)."""
     task = MnistTraining(explicit)
     return train_task(task, Opening(mode, overwrite, resume_from, ignore_crash_loop))
 

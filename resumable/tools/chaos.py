@@ -134,7 +134,7 @@ class Chaos:
         """Start one session; returns the process and the session's tag."""
         tag = f"{os.getpid()}.{next(self._numbers)}"
         # Its kills are on purpose, often before a session commits anything: never a crash loop
-        # (engine/session/crash_loop.py).
+        # (engine/rundir/crash_loop.py).
         # The faults of both sources together (a session's own faults must not drop --break-rng-restore's).
         faults = {**json.loads(self.extra_env.get(FAULTS_ENV) or "{}"), **json.loads(extra.get(FAULTS_ENV) or "{}"),
                   "ignore_crash_loop": True}

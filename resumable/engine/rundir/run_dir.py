@@ -24,7 +24,7 @@ from ...storage import RunLocation, StorageError, open_run_location
 from ...storage.lease import DriveLease
 from ...storage.restore import RestoreFailed
 from ...storage.tiered import restore_newest
-from ..session.crash_loop import check_crash_loop
+from .crash_loop import check_crash_loop
 from .lock import RunLock
 from .rewind import choose_step, set_aside_newer
 
@@ -125,7 +125,7 @@ class RunDir:
              overwrite: bool, resume_from: int | None = None, ignore_crash_loop: bool = False,
              identity: tuple[str, str] | None = None) -> tuple[RunDir, Choice]:
         """Open and lock the run dir (rank 0), bring Drive's newest checkpoint back and pick the one to resume
-        (see :func:`choose_checkpoint`), unless the last sessions make a crash loop there (engine/session/crash_loop.py)
+        (see :func:`choose_checkpoint`), unless the last sessions make a crash loop there (engine/rundir/crash_loop.py)
         for this ``identity`` (the session's code and config digests). Raises ResumableError on every rank if rank 0
         cannot."""
         if not dist.main:

@@ -1,6 +1,6 @@
 """What a session runs, as two short digests recorded in its start record (sessions.jsonl): ``code``, the source of
 the script or notebook cells that built and iterated the Run (and defined the model's class), and ``config``, its
-options. The crash-loop check (engine/session/crash_loop.py) only counts failed sessions that ran the same code and
+options. The crash-loop check (engine/rundir/crash_loop.py) only counts failed sessions that ran the same code and
 config as this start: fixing a typo, or changing an option, is a new attempt, not the same failure again."""
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ from ... import log
 from ...checkpoint import describe_age
 from ...distributed import Distributed
 from ...errors import ResumableError
-from ..data.remap import accept_data_change, remap_position
 from ..rundir.run_dir import Choice
 from ..state.keeper import StateKeeper
+from ..state.remap import accept_data_change, remap_position
 from ..state.verify import check_schedulers
 from . import fresh_start, notebook
 

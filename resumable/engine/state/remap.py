@@ -7,8 +7,8 @@ from typing import Any
 
 from ... import log
 from ...errors import ResumableError
-from ..state.train_state import TrainState
-from .sampler import ResumableSampler
+from ..data.sampler import ResumableSampler
+from .train_state import TrainState
 
 
 def accept_data_change(info: Any, now: int | None, state: TrainState) -> tuple[int, int] | None:
