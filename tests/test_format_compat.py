@@ -47,7 +47,7 @@ def _as_format_2(run_dir: Path) -> None:
 @pytest.fixture()
 def old_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     with monkeypatch.context() as patch:
-        patch.setattr("resumable.engine.run.ShardedFormat", lambda *a, **k: TorchFile())
+        patch.setattr("resumable.engine.session.training_session.ShardedFormat", lambda *a, **k: TorchFile())
         _train(tmp_path / "old", max_steps=5)
     _as_format_2(tmp_path / "old")
     infos = CheckpointManager(checkpoints_dir(tmp_path / "old")).inspect()

@@ -3,7 +3,9 @@ evaluation that its budget decisions use."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 from ..state.train_state import TrainState
 
@@ -21,6 +23,19 @@ class LoopPlan:
     def done(self, state: TrainState) -> bool:
         """Whether the run is complete at ``state``: every epoch trained, or ``max_steps`` reached."""
         return state.epoch >= self.epochs or (self.max_steps is not None and state.step >= self.max_steps)
+
+    def steps_per_epoch(self, sampler: Any) -> int | None:
+        """Optimizer steps an epoch of ``sampler`` (None: a stream whose length is not known yet)."""
+        batches = sampler.batches_per_epoch
+        return None if batches is None else math.ceil(batches / self.accumulate)
+
+    def total_steps(self, sampler: Any) -> int | None:
+        """Steps of the whole run (None: not known, for a stream without max_steps before its first epoch ends)."""
+        per_epoch = self.steps_per_epoch(sampler)
+        planned = None if per_epoch is None else self.epochs * per_epoch
+        if self.max_steps is None:
+            return planned
+        return self.max_steps if planned is None else min(planned, self.max_steps)
 
 
 @dataclass

@@ -5,7 +5,6 @@ to its reporters (metrics, TensorBoard, progress, console: see reporting/reporte
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -118,18 +117,11 @@ class Loop:
     # -- plan --------------------------------------------------------------------------------------
     @property
     def steps_per_epoch(self) -> int | None:
-        """Optimizer steps an epoch (None: a stream whose length is not known yet)."""
-        batches = self.sampler.batches_per_epoch
-        return None if batches is None else math.ceil(batches / self.plan.accumulate)
+        return self.plan.steps_per_epoch(self.sampler)
 
     @property
     def total_steps(self) -> int | None:
-        """Steps of the whole run (None: not known, for a stream without max_steps before its first epoch ends)."""
-        per_epoch = self.steps_per_epoch
-        planned = None if per_epoch is None else self.plan.epochs * per_epoch
-        if self.plan.max_steps is None:
-            return planned
-        return self.plan.max_steps if planned is None else min(planned, self.plan.max_steps)
+        return self.plan.total_steps(self.sampler)
 
     def finished(self) -> bool:
         return self.plan.done(self.state)

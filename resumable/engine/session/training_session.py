@@ -239,17 +239,18 @@ class TrainingSession:
                 self.outcome = Outcome(True, "finished")
                 self._close_mirror(False, budget)
                 return
+            ranks = f" (rank {run.dist.rank} of {run.dist.world_size})" if run.dist.active else ""
+            total = plan.total_steps(run.sampler)
+            log.info(f"training on {run.device}{ranks} with {torch.get_num_threads()} CPU thread(s): step "
+                     f"{state.step} → {total or 'the end of the data'}, checkpoints in {manager.root}",
+                     all_ranks=True)
+            report.session_start(state.step, total, self.resumed_from)  # numbers the session: the watchdog's files
             optimizer = run.optimizer
             loop = Loop(keeper, run.sampler, plan, report, evaluator(run.evaluate, run.model),
                         lambda: optimizer.param_groups[0]["lr"], run.device, triggers=save_triggers(run.options),
                         stop=stop, budget=budget, on_interval=interval_notice(run.options), dist=run.dist,
                         lost=(lambda: rundir.lost) if main else None, watchdog=self._watch(rundir, state.step))
             self.loop = loop
-            ranks = f" (rank {run.dist.rank} of {run.dist.world_size})" if run.dist.active else ""
-            log.info(f"training on {run.device}{ranks} with {torch.get_num_threads()} CPU thread(s): step "
-                     f"{state.step} → {loop.total_steps or 'the end of the data'}, checkpoints in {manager.root}",
-                     all_ranks=True)
-            report.session_start(state.step, loop.total_steps, self.resumed_from)
             completed, hung = False, False
             try:
                 yield from self._batches(loop)
