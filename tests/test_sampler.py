@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -84,3 +86,33 @@ def test_a_dropped_short_step_is_announced_once_and_a_single_process_keeps_every
 def test_a_dataset_too_small_for_the_ranks_is_refused() -> None:
     with pytest.raises(ValueError, match="too few for 2 processes"):
         ResumableSampler(3, 8, seed=0, world_size=2)
+
+
+@pytest.mark.parametrize(("size", "batch", "before", "after", "trained"),
+                         [(100, 4, 1, 2, 5), (100, 4, 2, 1, 3), (97, 5, 2, 3, 4), (97, 5, 3, 2, 2), (64, 8, 2, 1, 3),
+                          (50, 3, 1, 4, 7)])
+def test_a_resume_at_another_world_size_goes_on_at_the_exact_sample(size: int, batch: int, before: int, after: int,
+                                                                     trained: int) -> None:
+    """Issue #33: ``trained`` steps at ``before`` ranks, then the rest of the epoch at ``after`` ranks: no sample of the
+    epoch is trained twice, and none is skipped but the trailing ones a short last step cannot split (announced),
+    also when the samples done are not a multiple of the new global batch. The next epoch starts at its first sample."""
+    from resumable.engine.state.remap import remap_position
+    from resumable.engine.state.train_state import TrainState
+
+    seen: list[int] = []
+    old = [ResumableSampler(size, batch, seed=4, rank=r, world_size=before) for r in range(before)]
+    for sampler in old:
+        seen += [i for _, indices, _, _ in itertools.islice(sampler.walk(0, 0), trained) for i in indices.tolist()]
+    new = [ResumableSampler(size, batch, seed=4, rank=r, world_size=after) for r in range(after)]
+    for rank, sampler in enumerate(new):
+        state = TrainState(step=trained, epoch=0, batch_in_epoch=trained)
+        sampler.load_state_dict(old[0].state_dict())
+        remap_position(state, sampler, before, after, seed=4, rank=rank)
+        assert state.batch_in_epoch == 0 and sampler.start_of(0) == trained * batch * before
+        seen += [i for _, indices, _, _ in sampler.walk(0, 0) for i in indices.tolist()]
+        assert sampler.start_of(1) == 0 and sampler.batches_in(1) == sampler.batches_per_epoch
+    order = ResumableSampler(size, batch, seed=4).epoch_order(0).tolist()
+    assert len(seen) == len(set(seen)), "a sample was trained twice"
+    missing = [i for i in order if i not in set(seen)]
+    assert missing == order[len(order) - len(missing):] and len(missing) < 2 * after, missing
+    assert "offset" in new[0].state_dict(), "the next checkpoint records where the remapped epoch started"

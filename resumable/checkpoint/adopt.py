@@ -22,10 +22,12 @@ _CHUNK = 1 << 20
 
 def listed_files(folder: Path) -> dict[str, dict[str, Any]]:
     """The manifest's ``files`` for what is in ``folder`` now: size and sha256 of each file, fsynced on the way."""
-    return {name: _hash_and_sync(folder / name) for name in _payload(folder)}
+    return {name: describe(folder / name) for name in _payload(folder)}
 
 
-def _hash_and_sync(path: Path) -> dict[str, Any]:
+def describe(path: Path) -> dict[str, Any]:
+    """A regular file's manifest entry (size and sha256), fsynced on the way: another program wrote it, maybe without
+    an fsync, and the manifest must never reach the disk before the bytes it vouches for."""
     digest = hashlib.sha256()
     size = 0
     with paths.open_regular(path) as handle:

@@ -1,7 +1,8 @@
 """``resumable export``: write a run's model weights as a plain state_dict file.
 
 The output loads without resumable: ``model.load_state_dict(torch.load("model.pt", weights_only=True))``. A run
-whose frozen tensors were not stored (a LoRA base) exports the trained tensors only, and says so.
+whose frozen tensors were not stored (a LoRA base) exports the trained tensors only, and says so. A sharded (FSDP)
+checkpoint's weights are gathered from every rank's DCP files into the one file.
 
 ``--out`` is checked before anything is read or written: a path inside the run's ``checkpoints/`` (it would
 overwrite a checkpoint; symlinks are resolved for this check) and an existing path that is not a regular file
@@ -25,7 +26,7 @@ import torch
 
 from .. import log
 from ..atomic import replace_by
-from ..checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, checkpoints_dir, paths
+from ..checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, checkpoints_dir, dcp, paths
 from ..errors import ResumableError
 
 # Wrapper prefixes on parameter names: torch.compile (``_orig_mod.``) and DistributedDataParallel (``module.``).
@@ -114,6 +115,8 @@ def export_model(run_dir: Path, out: Path, best: bool = False) -> tuple[Checkpoi
         raise ExportError(f"no checkpoint of {run_dir} could be loaded ({'; '.join(reasons)}); see resumable inspect "
                           f"{run_dir}")
     model = payload.get("model")
+    if (info.manifest or {}).get("sharded") == dcp.KIND:  # FSDP: the weights are every rank's DCP shards, gathered
+        model = dcp.read_model(info.path)
     if not isinstance(model, dict) or not model:
         raise ExportError(f"{info.path} holds no model weights (payload has no 'model' state_dict)")
     state = strip_wrapper_prefixes(model)

@@ -52,6 +52,9 @@ class ResumableSampler:
         self.rank = rank
         self.world_size = world_size
         self.allow_size_change = allow_size_change  # Session(allow_data_change=True)
+        # Samples of epoch ``offset[0]`` trained before its batch 0: a resume at another world size starts the rest of
+        # that epoch there, at the exact sample (engine/state/remap.py); every other epoch starts at its first sample.
+        self.offset: tuple[int, int] | None = None
         self._told = False  # the trailing samples that no step takes are announced once
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its order on CPU), for upcoming()
         if self.batches_per_epoch < 1:
@@ -69,28 +72,40 @@ class ResumableSampler:
         loss, and a 1-sample batch makes BatchNorm fail in train mode (unless every batch is that small)."""
         return min(2, self.batch_size)
 
-    @property
-    def _short_step(self) -> int:
-        """Samples of the short last step of an epoch (0: none)."""
-        full, rest = divmod(self.num_samples, self.global_batch)
+    def _short_step(self, count: int) -> int:
+        """Samples of the short last step of ``count`` samples (0: none)."""
+        full, rest = divmod(count, self.global_batch)
         if rest == 0 or (self.drop_last and full > 0):
             return 0
         return rest
+
+    def _dropped(self, count: int) -> int:
+        short = self._short_step(count)
+        return short if self.world_size > 1 and 0 < short < self.min_rank_batch * self.world_size else 0
+
+    def _batches(self, count: int) -> int:
+        return count // self.global_batch + (1 if self._short_step(count) and not self._dropped(count) else 0)
 
     @property
     def dropped_per_epoch(self) -> int:
         """Trailing samples of each epoch that no step takes (DDP only): a short last step that would leave
         some rank fewer than :attr:`min_rank_batch` samples is not taken. A single process takes every
         sample (``drop_last=False``)."""
-        short = self._short_step
-        if self.world_size > 1 and 0 < short < self.min_rank_batch * self.world_size:
-            return short
-        return 0
+        return self._dropped(self.num_samples)
 
     @property
     def batches_per_epoch(self) -> int:
-        """Steps per epoch; under DDP each step is one ``batch_size`` slice per rank."""
-        return self.num_samples // self.global_batch + (1 if self._short_step and not self.dropped_per_epoch else 0)
+        """Steps of a whole epoch; under DDP each step is one ``batch_size`` slice per rank."""
+        return self._batches(self.num_samples)
+
+    def start_of(self, epoch: int) -> int:
+        """The sample of ``epoch``'s order its batch 0 starts at (0 unless a resume at another world size set it)."""
+        return self.offset[1] if self.offset is not None and self.offset[0] == epoch else 0
+
+    def batches_in(self, epoch: int) -> int:
+        """Steps of ``epoch``: :attr:`batches_per_epoch`, or those of the rest of it after :meth:`start_of`."""
+        start = self.start_of(epoch)
+        return self._batches(self.num_samples - start) if start else self.batches_per_epoch
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
         """The permutation of dataset indices for ``epoch`` (int64, on CPU)."""
@@ -108,17 +123,19 @@ class ResumableSampler:
         generator.manual_seed(epoch_seed(self.seed, epoch))
         return torch.randperm(self.num_samples, generator=generator)
 
-    def batch(self, order: torch.Tensor, index: int) -> torch.Tensor:
-        """This rank's indices of batch ``index`` of an epoch whose order is ``order``.
+    def batch(self, order: torch.Tensor, index: int, epoch: int | None = None) -> torch.Tensor:
+        """This rank's indices of batch ``index`` of ``epoch``, whose order is ``order``.
 
-        Under DDP step ``index`` covers ``order[index * B * W : (index + 1) * B * W]`` and rank ``r`` takes
-        the r-th slice of B, so the ranks' slices, concatenated in rank order, are the single-process order.
-        A short last step is split as evenly as possible (no sample twice); it is not taken at all when that
-        would leave a rank fewer than :attr:`min_rank_batch` samples (see :attr:`dropped_per_epoch`).
+        Under DDP step ``index`` covers ``order[s + index * B * W : s + (index + 1) * B * W]`` (``s``: the epoch's
+        :meth:`start_of`, 0 but after a resume at another world size) and rank ``r`` takes the r-th slice of B, so
+        the ranks' slices, concatenated in rank order, are the single-process order. A short last step is split as
+        evenly as possible (no sample twice); it is not taken at all when that would leave a rank fewer than
+        :attr:`min_rank_batch` samples (see :attr:`dropped_per_epoch`).
         """
-        if not 0 <= index < self.batches_per_epoch:
-            raise IndexError(f"batch {index} is outside 0..{self.batches_per_epoch - 1}")
-        start = index * self.global_batch
+        batches = self.batches_in(epoch) if epoch is not None else self.batches_per_epoch
+        if not 0 <= index < batches:
+            raise IndexError(f"batch {index} is outside 0..{batches - 1}")
+        start = (self.start_of(epoch) if epoch is not None else 0) + index * self.global_batch
         chunk = order[start:start + self.global_batch]
         if self.world_size == 1:
             return chunk
@@ -133,35 +150,39 @@ class ResumableSampler:
         order = self.epoch_order(epoch)
         self._order = (epoch, order)
         order = order.to(device) if device is not None else order
-        batches = self.batches_per_epoch
+        batches = self.batches_in(epoch)
         for index in range(first, batches):
-            indices = self.batch(order, index)
+            indices = self.batch(order, index, epoch)
             yield index, indices, len(indices), index + 1 == batches
 
     def upcoming(self, epoch: int, index: int) -> tuple[str, torch.Tensor] | None:
         """What batch ``index`` of ``epoch`` is made of, for a checkpoint's record (engine/data/content_check.py): its
         sample indices, without loading anything."""
-        if not 0 <= index < self.batches_per_epoch:
+        if not 0 <= index < self.batches_in(epoch):
             return None
         if self._order is None or self._order[0] != epoch:
             self._order = (epoch, self.epoch_order(epoch))
-        return "sample indices", self.batch(self._order[1], index)
+        return "sample indices", self.batch(self._order[1], index, epoch)
 
     def epoch_done(self, epoch: int, batch_in_epoch: int) -> bool:
         """Whether every batch of ``epoch`` was trained when ``batch_in_epoch`` batches are."""
-        return batch_in_epoch >= self.batches_per_epoch
+        return batch_in_epoch >= self.batches_in(epoch)
 
     def state_dict(self) -> dict[str, Any]:
         # Position lives in TrainState; this records the identity of the order so a resume can
-        # refuse a checkpoint whose order would differ.
+        # refuse a checkpoint whose order would differ, and where a remapped epoch starts.
         return {"num_samples": self.num_samples, "batch_size": self.batch_size, "seed": self.seed,
-                "shuffle": self.shuffle, "drop_last": self.drop_last}
+                "shuffle": self.shuffle, "drop_last": self.drop_last,
+                **({"offset": list(self.offset)} if self.offset is not None else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        mine = self.state_dict()
+        mine = {k: v for k, v in self.state_dict().items() if k != "offset"}
         if self.allow_size_change:  # Run(allow_data_change=True): checked at an epoch boundary by the Run
             mine.pop("num_samples")
         diffs = [f"{k}: checkpoint {state.get(k)!r}, now {v!r}" for k, v in mine.items() if state.get(k) != v]
         if diffs:
             raise ValueError("the data order of this run differs from the checkpoint's (" + "; ".join(diffs)
                              + "); use the same data and options, or start over with --fresh --overwrite")
+        offset = state.get("offset")
+        valid = isinstance(offset, (list, tuple)) and len(offset) == 2 and all(isinstance(v, int) for v in offset)
+        self.offset = (offset[0], offset[1]) if valid else None

@@ -148,15 +148,15 @@ class EpochBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         if self.through_epochs:
             raise TypeError("a batch sampler through every epoch has no length")
-        return self.sampler.batches_per_epoch - self.start
+        return self.sampler.batches_in(self.epoch) - self.start
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch, start = self.epoch, self.start
         while True:
             order = self.sampler.epoch_order(epoch)
-            for index in range(start, self.sampler.batches_per_epoch):
+            for index in range(start, self.sampler.batches_in(epoch)):
                 seed = batch_seed(self.sampler.seed, epoch, index, self.sampler.rank)
-                yield SeededBatch(self.sampler.batch(order, index).tolist(), seed)
+                yield SeededBatch(self.sampler.batch(order, index, epoch).tolist(), seed)
             if not self.through_epochs:
                 return
             epoch, start = epoch + 1, 0
@@ -207,14 +207,14 @@ class LoaderBatches:
         self._iterator = iter(DataLoader(self.dataset, batch_sampler=batches, generator=generator,
                                          **worker_options(self.options)))
         self._next = (epoch, start)
-        self._batches = sampler.batches_per_epoch
+        self._sampler = sampler
         return self._fetch
 
     def _fetch(self, _indices: torch.Tensor) -> Any:
         """The next batch: the loader walks the same order as the loop, in step."""
         batch = next(self._iterator)
         epoch, index = self._next
-        self._next = (epoch, index + 1) if index + 1 < self._batches else (epoch + 1, 0)
+        self._next = (epoch, index + 1) if index + 1 < self._sampler.batches_in(epoch) else (epoch + 1, 0)
         return batch
 
     def close(self) -> None:

@@ -164,6 +164,9 @@ class _Stream(ABC):
     def batches_per_epoch(self) -> int | None:
         return self.epoch_batches
 
+    def batches_in(self, epoch: int) -> int | None:
+        return self.epoch_batches
+
     @abstractmethod
     def identity(self) -> dict[str, Any]:
         """What must match between a checkpoint and this run (its options and kind)."""

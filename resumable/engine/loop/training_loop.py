@@ -143,7 +143,7 @@ class Loop:
             return "lock lost"
         if self.stop is not None and self.stop.requested:
             return self.stop.requested
-        batches = self.sampler.batches_per_epoch  # unknown for a stream: count the evaluation in
+        batches = self.sampler.batches_in(self.state.epoch)  # unknown for a stream: count the evaluation in
         last_of_epoch = batches is None or self.state.batch_in_epoch + self.plan.accumulate >= batches
         step_s = self.step_time.value + (self.eval_time.value if last_of_epoch else 0.0)
         # A checkpoint committed before the next check (due now, or the epoch's end) uploads before the final one.

@@ -38,7 +38,6 @@ class Expected:
     api: bool  # messages name Run's arguments, not the command line's options
     allow_data_change: bool = False
     amp_switch: dict[str, Any] | None = None
-    accumulate: int = 1
 
 
 def resume(keeper: StateKeeper, choice: Choice, expected: Expected, sampler: Any, dist: Distributed) -> Resumed:
@@ -74,7 +73,7 @@ def _load(keeper: StateKeeper, choice: Choice, expected: Expected, sampler: Any,
         keeper.check_room()
     saved_world = info.manifest.get("world_size", 1)
     if saved_world != dist.world_size:
-        remap_position(state, sampler, saved_world, expected.accumulate, dist.world_size)
+        remap_position(state, sampler, saved_world, dist.world_size, expected.computation.get("seed", 0), dist.rank)
     cost = keeper.restore_cost
     memory = (f", host memory peak +{cost.added / 1e6:.0f} MB" if cost is not None and cost.added is not None
               else "")

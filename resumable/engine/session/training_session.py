@@ -166,7 +166,7 @@ class TrainingSession:
         for setting in determinism.set_cheap_defaults():  # before the checkpoint's settings are compared
             if run.device.type == "cuda":  # set on every device (it is recorded), said only where cuBLAS runs
                 log.info(f"set {setting} for deterministic cuBLAS (see docs/resuming.md: bit-identical)")
-        expected = Expected(run.computation, run.run_dir, run._api, run.allow_data_change, switch, run.accumulate)
+        expected = Expected(run.computation, run.run_dir, run._api, run.allow_data_change, switch)
         resumed = resume(self.keeper, choice, expected, run.sampler, run.dist)
         self.resumed_from, self.data_change = resumed.step, resumed.data_change
         start(run.run_dir, {name: (run._given.get(name), obj) for name, obj in run._objects.items()

@@ -16,14 +16,15 @@ from typing import Any
 import torch
 
 from ... import log
-from ...checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, digests, fingerprint
+from ...checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, dcp, digests, fingerprint
 from ...checkpoint import format as fmt
+from ...checkpoint.adopt import describe
 from ...checkpoint.memory import PeakMemory
 from ...checkpoint.staging import Staging, default_budget
 from ...checkpoint.tree import map_leaves
 from ...checkpoint.writer import CheckpointWriter
 from ...distributed import Distributed
-from ...errors import NothingToResume, ResumableError, SaveFailed
+from ...errors import NothingToResume, ResumableError, ResumeNotApplied, SaveFailed
 from ...faults import NO_FAULTS, Faults
 from ..data import content_check
 from . import determinism, hardware
@@ -37,6 +38,8 @@ from .verify import verify_restored
 _TRAIN_STATE, _RNG, _RANKS, _MODES = fmt.TRAIN_STATE, "rng", "ranks", "module_modes"
 _OLD_RNG_RANKS = "rng_ranks"  # checkpoints before per-rank counters: every rank's RNG only
 _DATA_NEXT = "data_next"  # in each rank's entry: the record of its next batch (None where not known)
+_IN_DCP = ("model", "optimizer")  # a sharded run's entries that are in DCP's files (checkpoint/dcp.py)
+_SHARDED_MARK = {"sharded": dcp.KIND}
 
 
 def owned(state: Any) -> Any:
@@ -82,7 +85,11 @@ class StateKeeper:
         self.dist = dist or Distributed()
         self.faults = faults
         self.modules = modules if modules is not None else objects.get("model")
-        self.frozen = FrozenTensors(objects.get("model"), [o for o in objects.values() if hasattr(o, "param_groups")],
+        # A sharded model (FSDP2) and its optimizer are saved by every rank through DCP (checkpoint/dcp.py); the
+        # payload rank 0 writes holds a marker in their place. Frozen tensors are kept whole there.
+        self.sharded = dcp.is_sharded(objects.get("model"))
+        self.frozen = FrozenTensors(None if self.sharded else objects.get("model"),
+                                    [o for o in objects.values() if hasattr(o, "param_groups")],
                                     store_all=store_frozen)
         self.staging_memory = staging_memory  # None: chosen from the free host memory at the first save
         self._staging: Staging | None = None
@@ -112,7 +119,9 @@ class StateKeeper:
     def payload(self) -> dict[str, Any]:
         """Everything an exact resume needs, as plain containers and tensors (this rank's view)."""
         payload: dict[str, Any] = {name: (obj.state_dict() if obj is not None else None)
-                                   for name, obj in self.objects.items()}
+                                   for name, obj in self.objects.items() if not (self.sharded and name in _IN_DCP)}
+        if self.sharded:
+            payload.update(dict.fromkeys(_IN_DCP, _SHARDED_MARK))
         payload["model"], self._frozen_record = self.frozen.split(payload["model"])
         payload[_TRAIN_STATE] = self.state.state_dict()
         payload[_RNG] = capture_rng()
@@ -125,6 +134,8 @@ class StateKeeper:
         or ``wait=True``). A failure of an earlier background save is raised here as SaveFailed.
         ``blocked_since``: when the caller started waiting for this save (``time.perf_counter()``)."""
         started = time.perf_counter() if blocked_since is None else blocked_since
+        if self.sharded:  # every rank writes its shards of model and optimizer first
+            self._save_shards(self.state.step)
         if not self.dist.main:  # rank 0 writes; the others only hand it their own state
             self.dist.gather(self._rank_state())
             self.last_saved_step = self.state.step
@@ -144,6 +155,7 @@ class StateKeeper:
             "determinism": determinism.settings(),
             **({"frozen": self._frozen_record} if self._frozen_record else {}),
             **({"trainable": self.frozen.trainable()} if self.frozen.model is not None else {}),
+            **({"sharded": dcp.KIND} if self.sharded else {}),
         }
         if not self.manager.root.parent.is_dir():  # the run dir was deleted under us: never recreated by a save
             raise SaveFailed(f"saving the checkpoint of step {step} failed: the run dir {self.manager.root.parent} "
@@ -169,6 +181,8 @@ class StateKeeper:
             try:
                 written = pending.finish()
                 meta["fingerprint"], meta["fingerprint_version"] = written.fingerprint, written.fingerprint_version
+                if self.sharded:  # every rank's shards, on disk since _save_shards returned on every rank
+                    written.files.update({name: describe(directory / name) for name in dcp.names(directory)})
                 if self.before_commit is not None:
                     self.before_commit()
                 info = self.manager.commit(step, written.files, meta, abandoned=abandoned)
@@ -187,6 +201,30 @@ class StateKeeper:
         self.last_saved_step = step
         if wait:
             self.writer.wait()
+
+    def _save_shards(self, step: int) -> None:
+        """Every rank: this rank's shards of model and optimizer into the step's folder (DCP, a collective), once rank 0
+        has made the folder. A failure on any rank fails the save on every rank; nothing is committed."""
+        self.writer.wait()  # rank 0: the previous save's folder is committed (or failed) before a new one begins
+        directory = self.manager.folder(step)
+        problem = None
+        if self.dist.main:
+            try:
+                if not self.manager.root.parent.is_dir():
+                    raise OSError(f"the run dir {self.manager.root.parent} is gone")
+                self.manager.begin(step)
+            except OSError as e:
+                problem = f"cannot create its folder in {self.manager.root} ({e})"
+        failed = self.dist.all_errors(problem)
+        if failed:
+            rank, message = failed[0]
+            raise SaveFailed(f"saving the checkpoint of step {step} failed on rank {rank}: {message}")
+        try:
+            dcp.save(directory, self.objects["model"], self.objects["optimizer"])
+        except Exception as e:  # noqa: BLE001 - DCP raises on every rank when one failed
+            if self.dist.main:
+                self._discard_unfinished(step)
+            raise SaveFailed(f"saving the sharded state of step {step} failed: {e}") from e
 
     def prune(self) -> None:
         """Apply retention: after each commit on the writer's thread, and on the Drive mirror's once the step it
@@ -292,6 +330,13 @@ class StateKeeper:
         self.restore_cost = memory
 
     def _restore(self, info: CheckpointInfo) -> None:
+        sharded = info.manifest.get("sharded") == dcp.KIND
+        if sharded != self.sharded:
+            raise InvalidCheckpoint(f"it was written by a run whose model was {'' if sharded else 'not '}sharded "
+                                    f"(FSDP), and this one's is {'' if self.sharded else 'not'}: resume it with the "
+                                    f"model wrapped as it was")
+        if sharded:
+            dcp.check_ranks(info.manifest)
         frozen = info.manifest.get("frozen") or {}
         self.frozen.check(frozen, info.step)  # the script's base weights, before anything is read or changed
         trainable = self.frozen.saved_trainable(info.manifest.get("trainable"))  # InvalidCheckpoint if malformed
@@ -300,8 +345,8 @@ class StateKeeper:
         missing = sorted(expected - set(payload))
         if missing:
             raise InvalidCheckpoint(f"payload lacks {missing}")
-        # before it is walked (fingerprint) or loaded into anything
-        check_fits(self.objects, payload, set(frozen), lambda: self.frozen.trainable_difference(trainable))
+        if not sharded:  # before it is walked (fingerprint) or loaded into anything
+            check_fits(self.objects, payload, set(frozen), lambda: self.frozen.trainable_difference(trainable))
         version = info.manifest.get("fingerprint_version", 1)
         found = (digests.of_payload(payload) if version == digests.VERSION
                  else fingerprint(payload["model"], payload["optimizer"]))
@@ -312,8 +357,11 @@ class StateKeeper:
         self.frozen.restore_trainable(trainable, info.step)  # trainable flags are state (gradual unfreezing)
         built = self.frozen.built(payload["model"] if isinstance(payload["model"], dict) else ())
         fresh = {name for name in self.fresh if payload.get(name) is None}
+        shards = None
+        if sharded:  # this rank's shards, resharded from any world size; a collective on every rank
+            shards = dcp.load(info.path, self.objects["model"], self.objects["optimizer"])
         for name, obj in self.objects.items():
-            if obj is None or name in fresh:
+            if obj is None or name in fresh or (sharded and name in _IN_DCP):
                 continue
             if payload[name] is None:
                 raise InvalidCheckpoint(f"checkpoint has no {name} state but this run uses one")
@@ -329,10 +377,20 @@ class StateKeeper:
         if not self.faults.skip_rng_restore:
             restore_rng(rng)  # last: loading must not consume random numbers after it
         restored = {name: obj for name, obj in self.objects.items() if name not in fresh}
-        self.verified = verify_restored(restored, payload, self.state, rng, check_rng=not self.faults.skip_rng_restore)
+        self.verified = verify_restored(restored, payload, self.state, rng, check_rng=not self.faults.skip_rng_restore,
+                                        sharded=self._read_back(shards) if sharded else None)
         self.last_saved_step = info.step
         self.resumed_from = info
         self._last_size = info.size  # the free-space check has an estimate from the first save on
+
+    def _read_back(self, shards: dict[str, Any]) -> str:
+        """This rank's live shards of model and optimizer compared with what was read: what was checked."""
+        where, count, size = dcp.read_back(self.objects["model"], self.objects["optimizer"], shards)
+        if where is not None:
+            raise ResumeNotApplied(f"resume verification failed: this rank's shard of {where} does not hold the "
+                                   f"checkpoint's state after loading it; nothing was changed on disk")
+        return f"model + optimizer shards of rank {self.dist.rank} byte-equal to the checkpoint ({count} tensors, " \
+               f"{size / 1e6:.1f} MB)"
 
     def _restore_modes(self, modes: Any) -> None:
         if not isinstance(self.modules, torch.nn.Module) or not isinstance(modes, list):

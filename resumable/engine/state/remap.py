@@ -3,12 +3,13 @@ checkpoint: both keep training going, neither is bit-identical to a run that kep
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from ... import log
 from ...errors import ResumableError
 from ..data.sampler import ResumableSampler
-from .train_state import TrainState
+from .train_state import TrainState, seed_everything
 
 
 def accept_data_change(info: Any, now: int | None, state: TrainState) -> tuple[int, int] | None:
@@ -28,13 +29,21 @@ def accept_data_change(info: Any, now: int | None, state: TrainState) -> tuple[i
     return saved, now
 
 
-def remap_position(state: TrainState, sampler: ResumableSampler, saved_world: int, accumulate: int,
-                   world: int) -> None:
-    """Resume with another number of processes: keep the position in the epoch by sample count."""
-    samples = state.batch_in_epoch * sampler.batch_size * saved_world
-    batch = min(samples // sampler.global_batch, sampler.batches_per_epoch)
-    batch -= batch % accumulate
-    log.warning(f"the checkpoint was written by {saved_world} process(es), this run has {world}: the position in "
-                f"epoch {state.epoch + 1} is remapped by sample count (batch {state.batch_in_epoch} → {batch}). "
-                f"Training continues, but is not bit-identical to a run that kept one world size")
-    state.batch_in_epoch = batch
+def remap_position(state: TrainState, sampler: ResumableSampler, saved_world: int, world: int, seed: int,
+                   rank: int) -> None:
+    """Resume with another number of processes: the epoch goes on at the exact sample the checkpoint reached (no
+    sample skipped or trained twice, whatever the new global batch), from a new batch 0 (a step boundary), and this
+    rank's random streams are reseeded from (seed, rank, step): the saved ones belong to other ranks' work."""
+    done = sampler.start_of(state.epoch) + state.batch_in_epoch * sampler.batch_size * saved_world
+    sampler.offset = (state.epoch, done) if done else None
+    state.batch_in_epoch = 0
+    seed_everything(rank_seed(seed, rank, state.step))
+    log.warning(f"the checkpoint was written by {saved_world} process(es), this run has {world}: epoch "
+                f"{state.epoch + 1} goes on at sample {done} of {sampler.num_samples} (none skipped or trained twice) "
+                f"and each rank's random streams are reseeded from (seed, rank, step). Training continues, but is not "
+                f"bit-identical to a run that kept one world size")
+
+
+def rank_seed(seed: int, rank: int, step: int) -> int:
+    """The seed of ``rank``'s random streams after a change of world size at ``step``."""
+    return int.from_bytes(hashlib.sha256(f"resumable:{seed}:{rank}:{step}".encode()).digest()[:8], "big") >> 1

@@ -64,22 +64,7 @@ def _live(objects: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
     return {"model": model, "optimizer": objects["optimizer"].state_dict()}
 
 
-_ADVICE = {
-    "model": "its load_state_dict did not load the weights (is it overridden, or was the model re-created or "
-             "replaced after the Run was built?)",
-    "optimizer": "its load_state_dict did not load the state (was the optimizer re-created after the Run was "
-                 "built? pass the optimizer you step, built before the Run)",
-}
-
-
-def verify_restored(objects: dict[str, Any], payload: dict[str, Any], train_state: Any, rng: dict[str, Any],
-                    check_rng: bool = True) -> str:
-    """Compare the live state with ``payload`` (just loaded); raise ResumeNotApplied naming the object that did
-    not take its state, else return what was checked and how long it took.
-
-    ``payload`` is the one whose fingerprint was just matched with the manifest's, so the live model and
-    optimizer equal to it byte for byte is the same proof as their fingerprint recomputed, without hashing."""
-    started = time.perf_counter()
+def _model_and_optimizer(objects: dict[str, Any], payload: dict[str, Any]) -> str:
     live = _live(objects, payload)
     differs = next(((name, where) for name in digests.COVERED
                     if (where := difference(payload[name], live[name], f"/{name}")) is not None), None)
@@ -90,7 +75,26 @@ def verify_restored(objects: dict[str, Any], payload: dict[str, Any], train_stat
                                f"wrong state; nothing was changed on disk")
     size = sum(t.numel() * t.element_size() for _, t in tensors(live))
     count = sum(1 for _ in tensors(live))
-    checked = [f"model + optimizer byte-equal to the checkpoint ({count} tensors, {size / 1e6:.1f} MB)"]
+    return f"model + optimizer byte-equal to the checkpoint ({count} tensors, {size / 1e6:.1f} MB)"
+
+
+_ADVICE = {
+    "model": "its load_state_dict did not load the weights (is it overridden, or was the model re-created or "
+             "replaced after the Run was built?)",
+    "optimizer": "its load_state_dict did not load the state (was the optimizer re-created after the Run was "
+                 "built? pass the optimizer you step, built before the Run)",
+}
+
+
+def verify_restored(objects: dict[str, Any], payload: dict[str, Any], train_state: Any, rng: dict[str, Any],
+                    check_rng: bool = True, sharded: str | None = None) -> str:
+    """Compare the live state with ``payload`` (just loaded); raise ResumeNotApplied naming the object that did
+    not take its state, else return what was checked and how long it took.
+
+    ``payload`` is the one whose fingerprint was just matched with the manifest's, so the live model and
+    optimizer equal to it byte for byte is the same proof as their fingerprint recomputed, without hashing."""
+    started = time.perf_counter()
+    checked = [sharded if sharded is not None else _model_and_optimizer(objects, payload)]
     for name, obj in objects.items():
         if name in digests.COVERED or obj is None or name not in ("sampler", "scheduler", "scaler"):
             continue

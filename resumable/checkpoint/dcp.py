@@ -1,0 +1,138 @@
+"""Sharded model and optimizer state (FSDP2: the parameters are DTensors) through torch.distributed.checkpoint.
+
+Every rank writes its own shards into the step's folder (``__<rank>_0.distcp``), and DCP's ``.metadata`` is written
+by rank 0 once every rank has finished; resumable's manifest, written after that by rank 0, lists these files with
+their sizes and sha256 like any other and stays the commit marker. DCP reshards on load: a checkpoint written by N
+ranks loads into M. A checkpoint whose rank files are not those of the world size it records is refused, never
+loaded in part.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .format import InvalidCheckpoint
+
+METADATA = ".metadata"
+KIND = "dcp"  # manifest["sharded"]: model and optimizer are in DCP's files
+_RANK_FILE = re.compile(r"__([0-9]+)_([0-9]+)\.distcp")
+
+
+def is_sharded(model: Any) -> bool:
+    """Whether ``model``'s parameters are sharded (DTensors: ``fully_shard``), so that no rank holds the whole."""
+    if not isinstance(model, torch.nn.Module):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def save(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Write this rank's shards into ``directory`` (a collective: every rank calls it; fsynced before it returns)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_state(model, optimizer), storage_writer=dcp.FileSystemWriter(directory, sync_files=True))
+
+
+def names(directory: Path) -> list[str]:
+    """DCP's files in ``directory``: the metadata and every rank's shards."""
+    return sorted(entry.name for entry in directory.iterdir()
+                  if entry.name == METADATA or _RANK_FILE.fullmatch(entry.name))
+
+
+def check_ranks(manifest: dict[str, Any]) -> None:
+    """The manifest's DCP files must be the metadata and one file of each rank of the world size it records."""
+    world = manifest.get("world_size", 1)
+    listed = manifest.get("files") or {}
+    ranks = {int(match.group(1)) for name in listed if (match := _RANK_FILE.fullmatch(name))}
+    expected = set(range(world)) if isinstance(world, int) and world > 0 else set()
+    if METADATA not in listed or ranks != expected:
+        missing, extra = sorted(expected - ranks), sorted(ranks - expected)
+        raise InvalidCheckpoint(f"its sharded state does not match the {world} rank(s) it was written by (rank "
+                                f"files missing: {missing}, unexpected: {extra}"
+                                f"{'' if METADATA in listed else ', no .metadata'}); it is not loaded in part")
+
+
+def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Read the shards this rank needs (resharded from any world size) into ``model`` and ``optimizer``; returns the
+    state as read, for :func:`read_back`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _state(model, optimizer)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return state
+
+
+def read_model(directory: Path) -> dict[str, torch.Tensor]:
+    """The whole model state of a DCP checkpoint, gathered in this process without a process group (what
+    ``dcp_to_torch_save`` does; every tensor is read, the optimizer's too, so it needs memory for the whole state)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(directory), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    model = state.get("model")
+    if not isinstance(model, dict):
+        raise InvalidCheckpoint(f"{directory}: its sharded state holds no model")
+    return {key: value.detach().cpu() for key, value in model.items() if isinstance(value, torch.Tensor)}
+
+
+def read_back(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              loaded: dict[str, Any]) -> tuple[str | None, int, int]:
+    """Where this rank's live shards of model and optimizer differ from what was read (None: nowhere), and how many
+    tensors and bytes of this rank were compared."""
+    live = _state(model, optimizer)
+    local = [_local(t) for t in _tensors(live)]
+    return _difference(loaded, live, ""), len(local), sum(t.numel() * t.element_size() for t in local)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _difference(a: Any, b: Any, where: str) -> str | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return f"{where or '/'} keys"
+        return next((found for key in a if (found := _difference(a[key], b[key], f"{where}/{key}")) is not None),
+                    None)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return f"{where} length"
+        return next((found for i, (x, y) in enumerate(zip(a, b, strict=True))
+                     if (found := _difference(x, y, f"{where}[{i}]")) is not None), None)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        x, y = _local(a), _local(b)
+        same = x.shape == y.shape and x.dtype == y.dtype and torch.equal(x.view(-1).view(torch.uint8)
+                                                                         if x.numel() else x,
+                                                                         y.view(-1).view(torch.uint8)
+                                                                         if y.numel() else y)
+        return None if same else where
+    return None if a == b else where
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach().cpu().contiguous()
