@@ -120,3 +120,20 @@ def test_two_then_one_then_two_ranks_train_each_sample_once_an_epoch(tmp_path: P
     assert sorted(trained) == [0, 1]
     for epoch, ids in trained.items():
         assert sorted(ids) == list(range(192)), f"epoch {epoch}: each sample once"
+
+
+def test_a_sharded_checkpoint_on_drive_comes_back_on_a_fresh_machine(reference: Path, tmp_path: Path) -> None:
+    """A mounted-Drive run dir: every rank's shards are mirrored with the rest of the step's folder, and a fresh
+    machine (an empty local cache) brings them back and resumes to the uninterrupted run."""
+    drive = tmp_path / "drive"
+    drive.mkdir()
+    run_dir = drive / "run"
+    first = torchrun(run_dir, tmp_path / "first.json", 2, "10", RESUMABLE_DRIVE_MOUNT=str(drive),
+                     XDG_CACHE_HOME=str(tmp_path / "vm1"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= {p.name for p in run_dir.glob("checkpoints/*/*")}
+    resumed = torchrun(run_dir, tmp_path / "result.json", RESUMABLE_DRIVE_MOUNT=str(drive),
+                       XDG_CACHE_HOME=str(tmp_path / "vm2"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "brought checkpoint step 10 back" in resumed.stderr
+    assert result(tmp_path / "result.json")["fingerprint"] == result(reference / "result.json")["fingerprint"]
