@@ -9,6 +9,7 @@ With ``FSDP_SAMPLES=DIR`` each rank appends the sample ids it trains, per epoch,
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -93,6 +94,8 @@ def main() -> int:
         with open(result, "w") as handle:
             json.dump({"fingerprint": found[0], "model": found[1], "exit_code": code, "resumed_from": run.resumed_from},
                       handle)
+    del run, model, optimizer  # the model's and the Run's hold on the process group goes before it is destroyed
+    gc.collect()
     dist.destroy_process_group()
     return code
 

@@ -10,6 +10,7 @@ loaded in part.
 from __future__ import annotations
 
 import re
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,24 @@ def save(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     import torch.distributed.checkpoint as dcp
 
     dcp.save(_state(model, optimizer), storage_writer=dcp.FileSystemWriter(directory, sync_files=True))
+
+
+def save_async(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any) -> Future:
+    """:func:`save` in the background: returns once this rank's shards are copied (training may change them then);
+    the future is done when they are written and fsynced, and on rank 0 once DCP's metadata is written too, which
+    DCP does after every rank has written its shards. ``group``: the process group of these saves
+    (:func:`checkpoint_group`), never the one training's collectives use."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.async_save(_state(model, optimizer), storage_writer=dcp.FileSystemWriter(directory, sync_files=True),
+                          process_group=group)
+
+
+def checkpoint_group() -> Any:
+    """A gloo group of every rank for the background saves' collectives (a collective call: every rank makes it)."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo")
 
 
 def names(directory: Path) -> list[str]:

@@ -244,6 +244,7 @@ class Loop:
 
     def _wait_saves(self, last: bool = False) -> None:
         try:
+            self.session.wait_shards()  # every rank's background shard save (a sharded model), then rank 0's writer
             self.session.writer.wait(self._waiting)
         except SaveFailed as e:
             self._save_failed(e, last)

@@ -254,6 +254,7 @@ class TrainingSession:
             completed, hung = False, False
             try:
                 yield from self._batches(loop)
+                keeper.release()
                 self.outcome = confirm_committed(loop.outcome, manager, state.step) if main else loop.outcome
                 ended = loop.outcome.reason if loop.outcome is not None else ended
                 completed = True

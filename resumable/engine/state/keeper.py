@@ -77,17 +77,21 @@ class StateKeeper:
         self.meta = meta
         self.keep = keep
         self.keep_best = keep_best
-        self.writer = writer or CheckpointWriter(asynchronous=False)
         self.before_commit = before_commit
         self.after_commit = after_commit
         self.protect = protect  # steps retention keeps for now (the one the Drive mirror is uploading)
         self._prune_lock = threading.Lock()  # the writer's thread and the mirror's both prune
-        self.dist = dist or Distributed()
         self.faults = faults
         self.modules = modules if modules is not None else objects.get("model")
         # A sharded model (FSDP2) and its optimizer are saved by every rank through DCP (checkpoint/dcp.py); the
         # payload rank 0 writes holds a marker in their place. Frozen tensors are kept whole there.
         self.sharded = dcp.is_sharded(objects.get("model"))
+        self.writer = writer or CheckpointWriter(asynchronous=False)
+        self.dist = dist or Distributed()
+        # Asynchronous sharded saves write in the background over a group of their own (checkpoint/dcp.py).
+        self._shard_group = (dcp.checkpoint_group() if self.sharded and self.writer.asynchronous and self.dist.active
+                             else None)
+        self._shards: Any = None  # the future of this rank's last background shard save
         self.frozen = FrozenTensors(None if self.sharded else objects.get("model"),
                                     [o for o in objects.values() if hasattr(o, "param_groups")],
                                     store_all=store_frozen)
@@ -139,6 +143,8 @@ class StateKeeper:
         if not self.dist.main:  # rank 0 writes; the others only hand it their own state
             self.dist.gather(self._rank_state())
             self.last_saved_step = self.state.step
+            if wait:
+                self.wait_shards()
             return
         self.writer.wait()  # at most one save in flight; its host buffers are about to be reused
         self._check_free_space()
@@ -176,12 +182,15 @@ class StateKeeper:
             raise
         self._tell_direct(pending, step, started)
         abandoned = threading.Event()  # set when the session gives up on this save (stuck): it must not commit
+        shards = self._shards  # this save's background shard save, if any (waited for on the writer's thread)
 
         def persist() -> int:
             try:
                 written = pending.finish()
                 meta["fingerprint"], meta["fingerprint_version"] = written.fingerprint, written.fingerprint_version
-                if self.sharded:  # every rank's shards, on disk since _save_shards returned on every rank
+                if self.sharded:  # every rank's shards: DCP writes its metadata once all are on disk
+                    if shards is not None:
+                        shards.result()
                     written.files.update({name: describe(directory / name) for name in dcp.names(directory)})
                 if self.before_commit is not None:
                     self.before_commit()
@@ -205,6 +214,7 @@ class StateKeeper:
     def _save_shards(self, step: int) -> None:
         """Every rank: this rank's shards of model and optimizer into the step's folder (DCP, a collective), once rank 0
         has made the folder. A failure on any rank fails the save on every rank; nothing is committed."""
+        self.wait_shards()
         self.writer.wait()  # rank 0: the previous save's folder is committed (or failed) before a new one begins
         directory = self.manager.folder(step)
         problem = None
@@ -220,11 +230,24 @@ class StateKeeper:
             rank, message = failed[0]
             raise SaveFailed(f"saving the checkpoint of step {step} failed on rank {rank}: {message}")
         try:
-            dcp.save(directory, self.objects["model"], self.objects["optimizer"])
+            if self._shard_group is not None:  # returns once this rank's shards are copied
+                self._shards = dcp.save_async(directory, self.objects["model"], self.objects["optimizer"],
+                                              self._shard_group)
+            else:
+                dcp.save(directory, self.objects["model"], self.objects["optimizer"])
         except Exception as e:  # noqa: BLE001 - DCP raises on every rank when one failed
             if self.dist.main:
                 self._discard_unfinished(step)
             raise SaveFailed(f"saving the sharded state of step {step} failed: {e}") from e
+
+    def wait_shards(self) -> None:
+        """This rank's shards of the last background save are on disk; SaveFailed if writing them failed."""
+        pending, self._shards = self._shards, None
+        if pending is not None:
+            try:
+                pending.result()
+            except Exception as e:  # noqa: BLE001 - any failure of the background write
+                raise SaveFailed(f"writing this rank's shards of the last checkpoint failed: {e}") from e
 
     def prune(self) -> None:
         """Apply retention: after each commit on the writer's thread, and on the Drive mirror's once the step it
@@ -297,7 +320,21 @@ class StateKeeper:
 
     def close(self) -> None:
         """Wait for the last save; raises SaveFailed if it failed."""
+        self.wait_shards()
         self.writer.wait()
+
+    def release(self) -> None:
+        """The session's saves are over (every rank waited for its shards): the group of the background shard saves
+        goes now. Left to interpreter teardown, gloo can abort a process that ended cleanly (SIGABRT)."""
+        group, self._shard_group = self._shard_group, None
+        if group is not None:
+            import gc
+
+            import torch.distributed as dist
+
+            dist.destroy_process_group(group)
+            del group
+            gc.collect()  # DCP's finished background save may still hold the group in a reference cycle
 
     # -- restoring ---------------------------------------------------------------------------------
     def _my_rank_state(self, payload: dict[str, Any]
