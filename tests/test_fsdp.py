@@ -16,7 +16,7 @@ from pathlib import Path
 import fsdp_train
 import pytest
 import torch
-from helpers import env, records
+from helpers import env, final_fingerprint, records
 
 from resumable.checkpoint import CheckpointManager, InvalidCheckpoint, checkpoints_dir, dcp
 from resumable.checkpoint import manifest as manifests
@@ -73,6 +73,8 @@ def test_sigkill_resumes_to_the_uninterrupted_fsdp_run(reference: Path, tmp_path
     assert "model + optimizer shards of rank 0 byte-equal to the checkpoint" in resumed.stderr
     assert result(tmp_path / "result.json")["fingerprint"] == result(reference / "result.json")["fingerprint"]
     assert records(tmp_path / "run") == records(reference / "run")
+    # the manifest's fingerprint covers every rank's shards: the same for the same state at the same world size
+    assert final_fingerprint(tmp_path / "run") == final_fingerprint(reference / "run")
 
 
 def test_a_checkpoint_without_one_of_its_rank_files_is_refused(reference: Path, tmp_path: Path) -> None:
@@ -137,3 +139,29 @@ def test_a_sharded_checkpoint_on_drive_comes_back_on_a_fresh_machine(reference: 
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "brought checkpoint step 10 back" in resumed.stderr
     assert result(tmp_path / "result.json")["fingerprint"] == result(reference / "result.json")["fingerprint"]
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "scripts" / "fsdp_example.py"
+
+
+def test_the_fsdp_example_trains_stops_and_resumes(tmp_path: Path) -> None:
+    """scripts/fsdp_example.py (a small transformer, one FSDP unit a block) as docs/torchrun.md runs it."""
+    command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(EXAMPLE), "--run-dir",
+               str(tmp_path / "run"), "--checkpoint-steps", "3"]
+    for steps in ("3", "6"):
+        done = subprocess.run([*command, "--max-steps", steps], env=env(OMP_NUM_THREADS="1"), capture_output=True,
+                              text=True, timeout=300, stdin=subprocess.DEVNULL)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from step 3" in done.stderr and "done at step 6" in done.stderr
+
+
+@pytest.mark.soak
+def test_chaos_kills_the_fsdp_example_and_it_ends_identical(tmp_path: Path) -> None:
+    """`resumable chaos` on torchrun with 2 FSDP ranks: SIGKILL at random moments (some inside a save), resumed each
+    time; the final state (every rank's shards) equals an uninterrupted run's."""
+    command = [str(BIN / "resumable"), "chaos", "--target", "command", "--kills", "3", "--every", "3s", "--seed", "7",
+               "--workdir", str(tmp_path / "chaos"), "--", str(BIN / "torchrun"), "--standalone", "--nproc-per-node",
+               "2", str(EXAMPLE), "--run-dir", "{run_dir}", "--max-steps", "30", "--checkpoint-steps", "3"]
+    done = subprocess.run(command, env=env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=1800,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0 and "IDENTICAL" in done.stdout, (done.stdout[-3000:], done.stderr[-3000:])

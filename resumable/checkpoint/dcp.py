@@ -9,6 +9,7 @@ loaded in part.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from concurrent.futures import Future
 from pathlib import Path
@@ -68,6 +69,14 @@ def names(directory: Path) -> list[str]:
     """DCP's files in ``directory``: the metadata and every rank's shards."""
     return sorted(entry.name for entry in directory.iterdir()
                   if entry.name == METADATA or _RANK_FILE.fullmatch(entry.name))
+
+
+def fingerprint(payload_fingerprint: str, files: dict[str, Any]) -> str:
+    """A sharded checkpoint's training-state fingerprint: the rest of the payload's, and the sha256 of every rank's
+    shard file (the same bytes for the same state at the same world size; DCP's metadata is not: it is left out)."""
+    shards = sorted((name, entry["sha256"]) for name, entry in files.items() if _RANK_FILE.fullmatch(name))
+    text = payload_fingerprint + "".join(f"|{name}:{sha}" for name, sha in shards)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def check_ranks(manifest: dict[str, Any]) -> None:

@@ -35,7 +35,17 @@ from ..faults import FAULTS_ENV, Faults, held_marker
 from ..reporting.metrics import read_records, without_timing
 from .chaos_drive import DriveRuns, drive_run_dir
 from .chaos_report import ChaosReport, Kill, format_report, report_json
-from .faultkinds import KINDS, SAVE_ERROR_MARK, SIGNAL_KINDS, STOP_CONT_PAUSE_S, FaultKind, draw, exit_codes, pool
+from .faultkinds import (
+    KINDS,
+    SAVE_ERROR_MARK,
+    SIGNAL_KINDS,
+    STOP_CONT_PAUSE_S,
+    FaultKind,
+    draw,
+    exit_codes,
+    killed_workers,
+    pool,
+)
 from .forkserver import ForkServer
 from .sessions import SESSION_ENV, _kill_all, _session_pids, _signal
 from .targets import Target
@@ -313,7 +323,8 @@ class Chaos:
         # uploads it (or trains on) and only then can end 0.
         if code == 0 or (ended_by is None and code in (EXIT_RESUME, EXIT_NOT_DURABLE)):
             return code
-        if ended_by is None or code not in exit_codes(ended_by):
+        launcher = self.target.kind == "command" and killed_workers(ended_by, code, stderr)
+        if ended_by is None or (code not in exit_codes(ended_by) and not launcher):
             raise RuntimeError(f"training failed with exit code {code}:\n{stderr[-2000:]}")
         at = faults.kill_at_step if first_step and faults is not None else _max_step(local)
         kills.append(Kill(number, SHORT[ended_by.name], inside_save, at, first_step=first_step, fault=ended_by.name))

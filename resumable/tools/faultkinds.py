@@ -89,3 +89,10 @@ def exit_codes(kind: FaultKind) -> tuple[int, ...]:
     if kind.signal in (signal.SIGTERM, signal.SIGINT):  # 74: stopped, but its newest checkpoint missed Drive
         return (EXIT_RESUME, EXIT_NOT_DURABLE, -kind.signal, 130, 1)
     return (-signal.SIGKILL, -kind.signal) if kind.signal is not None else ()
+
+
+def killed_workers(kind: FaultKind | None, code: int, stderr: str) -> bool:
+    """A launcher (torchrun, as a command target) whose workers ``kind`` killed from inside (SIGKILL at the first step
+    after a resume): the launcher itself exits 1 and says which signal its workers got."""
+    return (kind is not None and kind.signal == signal.SIGKILL and code == 1
+            and "Signal 9 (SIGKILL) received" in stderr)

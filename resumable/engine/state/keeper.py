@@ -192,6 +192,7 @@ class StateKeeper:
                     if shards is not None:
                         shards.result()
                     written.files.update({name: describe(directory / name) for name in dcp.names(directory)})
+                    meta["fingerprint"] = dcp.fingerprint(written.fingerprint, written.files)
                 if self.before_commit is not None:
                     self.before_commit()
                 info = self.manager.commit(step, written.files, meta, abandoned=abandoned)
@@ -387,6 +388,8 @@ class StateKeeper:
         version = info.manifest.get("fingerprint_version", 1)
         found = (digests.of_payload(payload) if version == digests.VERSION
                  else fingerprint(payload["model"], payload["optimizer"]))
+        if sharded:  # the shards' sha256 (checked with every file of the manifest) are part of it
+            found = dcp.fingerprint(found, info.manifest["files"])
         if found != info.fingerprint:
             raise InvalidCheckpoint("payload does not match the manifest's training-state fingerprint")
         check_position(payload[_TRAIN_STATE], info.manifest)
