@@ -151,10 +151,10 @@ def test_prune_failing_half_way_loses_nothing_valid(tiny_mnist: Path, tmp_path: 
 
 
 def test_low_free_space_is_announced_before_saving(tiny_mnist: Path, tmp_path: Path, monkeypatch) -> None:
-    from resumable.engine.state import keeper as session
+    from resumable.engine.state import room
 
     real = shutil.disk_usage
-    monkeypatch.setattr(session.shutil, "disk_usage",
+    monkeypatch.setattr(room.shutil, "disk_usage",
                         lambda path: real(path)._replace(free=1_000_000))
     result = invoke(tmp_path, tiny_mnist, "--max-steps", "6")
     assert result.exit_code == 0

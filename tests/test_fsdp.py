@@ -103,9 +103,10 @@ def test_a_two_rank_checkpoint_resumes_with_one_rank_resharded(reference: Path, 
     assert result(tmp_path / "result.json")["resumed_from"] == 10
 
 
-def test_two_then_one_then_two_ranks_train_each_sample_once_an_epoch(tmp_path: Path) -> None:
+def test_two_then_one_then_two_ranks_train_each_sample_once_an_epoch(reference: Path, tmp_path: Path) -> None:
     """2 ranks to step 5, 1 rank to step 14, 2 ranks to the end: every epoch trains each sample once (the position
-    is remapped as a count of samples, also when it is not a multiple of the new global batch), with the warning."""
+    is remapped as a count of samples, also when it is not a multiple of the new global batch), with the warning,
+    and the loss goes on as in the run that kept 2 ranks (within noise: other batches, other dropout masks)."""
     run_dir, samples = tmp_path / "run", tmp_path / "samples"
     samples.mkdir()
     for ranks, steps in ((2, "5"), (1, "14"), (2, None)):
@@ -122,6 +123,9 @@ def test_two_then_one_then_two_ranks_train_each_sample_once_an_epoch(tmp_path: P
     assert sorted(trained) == [0, 1]
     for epoch, ids in trained.items():
         assert sorted(ids) == list(range(192)), f"epoch {epoch}: each sample once"
+    mixed, kept = ([r["train_loss"] for r in records(where / "run") if "train_loss" in r] for where in (tmp_path,
+                                                                                                          reference))
+    assert len(mixed) == len(kept) == 2 and abs(mixed[-1] - kept[-1]) < 0.15 * kept[-1], (mixed, kept)
 
 
 def test_a_sharded_checkpoint_on_drive_comes_back_on_a_fresh_machine(reference: Path, tmp_path: Path) -> None:

@@ -231,10 +231,10 @@ def test_no_room_for_another_checkpoint_at_start_is_exit_2_and_changes_nothing(t
                                                                                monkeypatch) -> None:
     train(tiny_run(tmp_path, max_steps=4))
     before = (tmp_path / "sessions.jsonl").read_bytes(), sorted(p.name for p in checkpoints_dir(tmp_path).iterdir())
-    from resumable.engine.state import keeper
+    from resumable.engine.state import room
 
     real = shutil.disk_usage
-    monkeypatch.setattr(keeper.shutil, "disk_usage", lambda path: real(path)._replace(free=1000))
+    monkeypatch.setattr(room.shutil, "disk_usage", lambda path: real(path)._replace(free=1000))
     with pytest.raises(ResumableError, match="MB free and a checkpoint needs") as caught:
         train(tiny_run(tmp_path))
     assert caught.value.exit_code == 2

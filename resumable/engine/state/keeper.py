@@ -7,7 +7,6 @@ counters), so DDP correctness does not depend on remembering which values differ
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -18,28 +17,24 @@ import torch
 from ... import log
 from ...checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, dcp, digests, fingerprint
 from ...checkpoint import format as fmt
-from ...checkpoint.adopt import describe
 from ...checkpoint.memory import PeakMemory
 from ...checkpoint.staging import Staging, default_budget
 from ...checkpoint.tree import map_leaves
 from ...checkpoint.writer import CheckpointWriter
 from ...distributed import Distributed
-from ...errors import NothingToResume, ResumableError, ResumeNotApplied, SaveFailed
+from ...errors import NothingToResume, ResumableError, SaveFailed
 from ...faults import NO_FAULTS, Faults
 from ..data import content_check
-from . import determinism, hardware
+from . import determinism, hardware, room
 from .compatibility import check_computation
 from .fits import check_fits, check_position
 from .frozen import FrozenTensors
-from .train_state import Stateful, TrainState, capture_rng, restore_rng
+from .shards import IN_DCP, MARK, Shards
+from .train_state import DATA_NEXT, RANKS, RNG, Stateful, TrainState, capture_rng, rank_state, restore_rng
 from .verify import verify_restored
 
 # Payload keys that are not user objects.
-_TRAIN_STATE, _RNG, _RANKS, _MODES = fmt.TRAIN_STATE, "rng", "ranks", "module_modes"
-_OLD_RNG_RANKS = "rng_ranks"  # checkpoints before per-rank counters: every rank's RNG only
-_DATA_NEXT = "data_next"  # in each rank's entry: the record of its next batch (None where not known)
-_IN_DCP = ("model", "optimizer")  # a sharded run's entries that are in DCP's files (checkpoint/dcp.py)
-_SHARDED_MARK = {"sharded": dcp.KIND}
+_TRAIN_STATE, _MODES = fmt.TRAIN_STATE, "module_modes"
 
 
 def owned(state: Any) -> Any:
@@ -85,13 +80,11 @@ class StateKeeper:
         self.modules = modules if modules is not None else objects.get("model")
         # A sharded model (FSDP2) and its optimizer are saved by every rank through DCP (checkpoint/dcp.py); the
         # payload rank 0 writes holds a marker in their place. Frozen tensors are kept whole there.
-        self.sharded = dcp.is_sharded(objects.get("model"))
         self.writer = writer or CheckpointWriter(asynchronous=False)
         self.dist = dist or Distributed()
-        # Asynchronous sharded saves write in the background over a group of their own (checkpoint/dcp.py).
-        self._shard_group = (dcp.checkpoint_group() if self.sharded and self.writer.asynchronous and self.dist.active
-                             else None)
-        self._shards: Any = None  # the future of this rank's last background shard save
+        self.shards = (Shards(objects["model"], objects["optimizer"], self.dist, self.writer.asynchronous)
+                       if dcp.is_sharded(objects.get("model")) else None)
+        self.sharded = self.shards is not None
         self.frozen = FrozenTensors(None if self.sharded else objects.get("model"),
                                     [o for o in objects.values() if hasattr(o, "param_groups")],
                                     store_all=store_frozen)
@@ -114,7 +107,7 @@ class StateKeeper:
         """What differs per rank: RNG streams, counters, and the record of the data this rank reads next
         (engine/data/content_check.py: compared with the first batch after a resume)."""
         return {"rng": capture_rng() if rng is None else rng, "counters": self.state.rank_dict(),
-                _DATA_NEXT: content_check.upcoming(self.objects.get("sampler"), self.state.epoch,
+                DATA_NEXT: content_check.upcoming(self.objects.get("sampler"), self.state.epoch,
                                                self.state.batch_in_epoch)}
 
     def _modes(self) -> list[bool]:
@@ -123,12 +116,12 @@ class StateKeeper:
     def payload(self) -> dict[str, Any]:
         """Everything an exact resume needs, as plain containers and tensors (this rank's view)."""
         payload: dict[str, Any] = {name: (obj.state_dict() if obj is not None else None)
-                                   for name, obj in self.objects.items() if not (self.sharded and name in _IN_DCP)}
+                                   for name, obj in self.objects.items() if not (self.sharded and name in IN_DCP)}
         if self.sharded:
-            payload.update(dict.fromkeys(_IN_DCP, _SHARDED_MARK))
+            payload.update(dict.fromkeys(IN_DCP, MARK))
         payload["model"], self._frozen_record = self.frozen.split(payload["model"])
         payload[_TRAIN_STATE] = self.state.state_dict()
-        payload[_RNG] = capture_rng()
+        payload[RNG] = capture_rng()
         payload[_MODES] = self._modes()
         return payload
 
@@ -138,8 +131,9 @@ class StateKeeper:
         or ``wait=True``). A failure of an earlier background save is raised here as SaveFailed.
         ``blocked_since``: when the caller started waiting for this save (``time.perf_counter()``)."""
         started = time.perf_counter() if blocked_since is None else blocked_since
-        if self.sharded:  # every rank writes its shards of model and optimizer first
-            self._save_shards(self.state.step)
+        if self.shards is not None:  # every rank writes its shards of model and optimizer first
+            self.writer.wait()  # rank 0: the previous save's folder is committed (or failed) before a new one begins
+            self.shards.save(self.manager, self.state.step, self._discard_unfinished)
         if not self.dist.main:  # rank 0 writes; the others only hand it their own state
             self.dist.gather(self._rank_state())
             self.last_saved_step = self.state.step
@@ -147,9 +141,9 @@ class StateKeeper:
                 self.wait_shards()
             return
         self.writer.wait()  # at most one save in flight; its host buffers are about to be reused
-        self._check_free_space()
+        room.warn_if_short(self.manager.root, self._last_size)
         payload = self.payload()
-        payload[_RANKS] = self.dist.gather(self._rank_state(payload[_RNG]))
+        payload[RANKS] = self.dist.gather(self._rank_state(payload[RNG]))
         step = self.state.step
         meta = {
             **self.meta,
@@ -182,16 +176,14 @@ class StateKeeper:
             raise
         self._tell_direct(pending, step, started)
         abandoned = threading.Event()  # set when the session gives up on this save (stuck): it must not commit
-        shards = self._shards  # this save's background shard save, if any (waited for on the writer's thread)
+        shards = self.shards.pending if self.shards is not None else None  # waited for on the writer's thread
 
         def persist() -> int:
             try:
                 written = pending.finish()
                 meta["fingerprint"], meta["fingerprint_version"] = written.fingerprint, written.fingerprint_version
-                if self.sharded:  # every rank's shards: DCP writes its metadata once all are on disk
-                    if shards is not None:
-                        shards.result()
-                    written.files.update({name: describe(directory / name) for name in dcp.names(directory)})
+                if self.sharded:  # every rank's shards, once on disk
+                    written.files.update(Shards.files(directory, shards))
                     meta["fingerprint"] = dcp.fingerprint(written.fingerprint, written.files)
                 if self.before_commit is not None:
                     self.before_commit()
@@ -212,43 +204,10 @@ class StateKeeper:
         if wait:
             self.writer.wait()
 
-    def _save_shards(self, step: int) -> None:
-        """Every rank: this rank's shards of model and optimizer into the step's folder (DCP, a collective), once rank 0
-        has made the folder. A failure on any rank fails the save on every rank; nothing is committed."""
-        self.wait_shards()
-        self.writer.wait()  # rank 0: the previous save's folder is committed (or failed) before a new one begins
-        directory = self.manager.folder(step)
-        problem = None
-        if self.dist.main:
-            try:
-                if not self.manager.root.parent.is_dir():
-                    raise OSError(f"the run dir {self.manager.root.parent} is gone")
-                self.manager.begin(step)
-            except OSError as e:
-                problem = f"cannot create its folder in {self.manager.root} ({e})"
-        failed = self.dist.all_errors(problem)
-        if failed:
-            rank, message = failed[0]
-            raise SaveFailed(f"saving the checkpoint of step {step} failed on rank {rank}: {message}")
-        try:
-            if self._shard_group is not None:  # returns once this rank's shards are copied
-                self._shards = dcp.save_async(directory, self.objects["model"], self.objects["optimizer"],
-                                              self._shard_group)
-            else:
-                dcp.save(directory, self.objects["model"], self.objects["optimizer"])
-        except Exception as e:  # noqa: BLE001 - DCP raises on every rank when one failed
-            if self.dist.main:
-                self._discard_unfinished(step)
-            raise SaveFailed(f"saving the sharded state of step {step} failed: {e}") from e
-
     def wait_shards(self) -> None:
-        """This rank's shards of the last background save are on disk; SaveFailed if writing them failed."""
-        pending, self._shards = self._shards, None
-        if pending is not None:
-            try:
-                pending.result()
-            except Exception as e:  # noqa: BLE001 - any failure of the background write
-                raise SaveFailed(f"writing this rank's shards of the last checkpoint failed: {e}") from e
+        """This rank's shards of the last background save are on disk (a sharded model); SaveFailed if not."""
+        if self.shards is not None:
+            self.shards.wait()
 
     def prune(self) -> None:
         """Apply retention: after each commit on the writer's thread, and on the Drive mirror's once the step it
@@ -294,30 +253,10 @@ class StateKeeper:
         except OSError as e:
             log.warning(f"could not remove the unfinished save {directory} ({e}); the next start removes it")
 
-    def _free(self) -> int | None:
-        """Free bytes where checkpoints go, when there is a size to compare with (the last checkpoint's)."""
-        if not self._last_size:
-            return None
-        try:
-            return shutil.disk_usage(self.manager.root).free
-        except OSError:
-            return None
-
     def check_room(self) -> None:
         """At start: refuse to train when the disk cannot hold one more checkpoint (the last one's size), with
         the figures, instead of failing every save (nothing is changed)."""
-        free = self._free()
-        if free is not None and free < self._last_size:
-            raise ResumableError(f"{self.manager.root} has {free / 1e6:.1f} MB free and a checkpoint needs "
-                                 f"{self._last_size / 1e6:.1f} MB: free some space (or lower --keep) and run again; "
-                                 f"nothing was changed")
-
-    def _check_free_space(self) -> None:
-        """Warn before a save that will probably hit ENOSPC (the last checkpoint's size is the estimate)."""
-        free = self._free()
-        if free is not None and free < self._last_size * 1.2:
-            log.warning(f"only {free / 1e6:.0f} MB free in {self.manager.root}, and a checkpoint takes "
-                        f"{self._last_size / 1e6:.0f} MB: the next save may fail (free space, or lower --keep)")
+        room.check(self.manager.root, self._last_size)
 
     def close(self) -> None:
         """Wait for the last save; raises SaveFailed if it failed."""
@@ -325,41 +264,11 @@ class StateKeeper:
         self.writer.wait()
 
     def release(self) -> None:
-        """The session's saves are over (every rank waited for its shards): the group of the background shard saves
-        goes now. Left to interpreter teardown, gloo can abort a process that ended cleanly (SIGABRT)."""
-        group, self._shard_group = self._shard_group, None
-        if group is not None:
-            import gc
-
-            import torch.distributed as dist
-
-            dist.destroy_process_group(group)
-            del group
-            gc.collect()  # DCP's finished background save may still hold the group in a reference cycle
+        """The session's saves are over: what the background shard saves held goes (a sharded model)."""
+        if self.shards is not None:
+            self.shards.release()
 
     # -- restoring ---------------------------------------------------------------------------------
-    def _my_rank_state(self, payload: dict[str, Any]
-                       ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
-        """This rank's (RNG states, per-rank counters, record of its next batch) from ``payload``.
-
-        When the world size changed, rank 0 takes every saved rank's counters summed (so the epoch's loss
-        over all ranks stays right) and the other ranks start theirs from zero; RNG streams are rank 0's, and no
-        rank's next batch is known (the batches are split differently)."""
-        world, rank = self.dist.world_size, self.dist.rank
-        ranks = payload.get(_RANKS)
-        if isinstance(ranks, list) and ranks:
-            if len(ranks) == world:
-                mine = ranks[rank]
-                record = mine.get(_DATA_NEXT)  # absent in checkpoints before the content check
-                return mine["rng"], mine["counters"], (record if content_check.valid_record(record) else None)
-            counters = {name: (sum(r["counters"][name] for r in ranks) if rank == 0 else 0 * ranks[0]["counters"][name])
-                        for name in TrainState.per_rank_fields()}
-            return ranks[0]["rng"], counters, None
-        old = payload.get(_OLD_RNG_RANKS)
-        if isinstance(old, list) and len(old) == world:
-            return old[rank], None, None
-        return payload[_RNG], None, None
-
     def restore(self, info: CheckpointInfo) -> None:
         """Load ``info`` into every object. Raises InvalidCheckpoint before touching anything if the
         payload is unreadable, incomplete or does not match its manifest's fingerprint."""
@@ -379,7 +288,7 @@ class StateKeeper:
         self.frozen.check(frozen, info.step)  # the script's base weights, before anything is read or changed
         trainable = self.frozen.saved_trainable(info.manifest.get("trainable"))  # InvalidCheckpoint if malformed
         payload = self.manager.load(info)
-        expected = set(self.objects) | {_TRAIN_STATE, _RNG}
+        expected = set(self.objects) | {_TRAIN_STATE, RNG}
         missing = sorted(expected - set(payload))
         if missing:
             raise InvalidCheckpoint(f"payload lacks {missing}")
@@ -393,15 +302,15 @@ class StateKeeper:
         if found != info.fingerprint:
             raise InvalidCheckpoint("payload does not match the manifest's training-state fingerprint")
         check_position(payload[_TRAIN_STATE], info.manifest)
-        rng, counters, self.data_next = self._my_rank_state(payload)
+        rng, counters, self.data_next = rank_state(payload, self.dist.rank, self.dist.world_size)
         self.frozen.restore_trainable(trainable, info.step)  # trainable flags are state (gradual unfreezing)
         built = self.frozen.built(payload["model"] if isinstance(payload["model"], dict) else ())
         fresh = {name for name in self.fresh if payload.get(name) is None}
-        shards = None
-        if sharded:  # this rank's shards, resharded from any world size; a collective on every rank
-            shards = dcp.load(info.path, self.objects["model"], self.objects["optimizer"])
+        checked = None
+        if self.shards is not None:  # this rank's shards, resharded from any world size; a collective on every rank
+            checked = self.shards.load(info.path)
         for name, obj in self.objects.items():
-            if obj is None or name in fresh or (sharded and name in _IN_DCP):
+            if obj is None or name in fresh or (sharded and name in IN_DCP):
                 continue
             if payload[name] is None:
                 raise InvalidCheckpoint(f"checkpoint has no {name} state but this run uses one")
@@ -418,19 +327,10 @@ class StateKeeper:
             restore_rng(rng)  # last: loading must not consume random numbers after it
         restored = {name: obj for name, obj in self.objects.items() if name not in fresh}
         self.verified = verify_restored(restored, payload, self.state, rng, check_rng=not self.faults.skip_rng_restore,
-                                        sharded=self._read_back(shards) if sharded else None)
+                                        sharded=checked)
         self.last_saved_step = info.step
         self.resumed_from = info
         self._last_size = info.size  # the free-space check has an estimate from the first save on
-
-    def _read_back(self, shards: dict[str, Any]) -> str:
-        """This rank's live shards of model and optimizer compared with what was read: what was checked."""
-        where, count, size = dcp.read_back(self.objects["model"], self.objects["optimizer"], shards)
-        if where is not None:
-            raise ResumeNotApplied(f"resume verification failed: this rank's shard of {where} does not hold the "
-                                   f"checkpoint's state after loading it; nothing was changed on disk")
-        return f"model + optimizer shards of rank {self.dist.rank} byte-equal to the checkpoint ({count} tensors, " \
-               f"{size / 1e6:.1f} MB)"
 
     def _restore_modes(self, modes: Any) -> None:
         if not isinstance(self.modules, torch.nn.Module) or not isinstance(modes, list):

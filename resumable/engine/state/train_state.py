@@ -16,6 +16,11 @@ import numpy as np
 import torch
 
 from ... import log
+from ..data import content_check
+
+# A payload's per-rank entries: RANKS holds one entry per rank (its RNG streams, counters and DATA_NEXT, the record of
+# its next batch); checkpoints before per-rank counters hold OLD_RNG_RANKS (every rank's RNG only), or RNG alone.
+RNG, RANKS, OLD_RNG_RANKS, DATA_NEXT = "rng", "ranks", "rng_ranks", "data_next"
 
 
 @runtime_checkable
@@ -205,3 +210,25 @@ def plain_module(model: torch.nn.Module) -> torch.nn.Module:
             model = model.module
         else:
             return model
+
+
+def rank_state(payload: dict[str, Any], rank: int, world: int
+               ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
+    """This rank's (RNG states, per-rank counters, record of its next batch) from ``payload``.
+
+    When the world size changed, rank 0 takes every saved rank's counters summed (so the epoch's loss
+    over all ranks stays right) and the other ranks start theirs from zero; RNG streams are rank 0's, and no
+    rank's next batch is known (the batches are split differently)."""
+    ranks = payload.get(RANKS)
+    if isinstance(ranks, list) and ranks:
+        if len(ranks) == world:
+            mine = ranks[rank]
+            record = mine.get(DATA_NEXT)  # absent in checkpoints before the content check
+            return mine["rng"], mine["counters"], (record if content_check.valid_record(record) else None)
+        counters = {name: (sum(r["counters"][name] for r in ranks) if rank == 0 else 0 * ranks[0]["counters"][name])
+                    for name in TrainState.per_rank_fields()}
+        return ranks[0]["rng"], counters, None
+    old = payload.get(OLD_RNG_RANKS)
+    if isinstance(old, list) and len(old) == world:
+        return old[rank], None, None
+    return payload[RNG], None, None
