@@ -73,6 +73,8 @@ class _Session:
         self.saves.append((self.state.step, reason))
         self.last_saved_step = self.state.step
 
+    def wait_shards(self) -> None: ...  # no sharded model here
+
 
 class _Pending:
     def __init__(self, dist: _FakeDist, issued: int, values: list[bool]) -> None:
