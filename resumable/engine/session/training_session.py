@@ -237,6 +237,7 @@ class TrainingSession:
                 log.summary(f"run in {run.run_dir} is already complete at step {state.step} (epoch {state.epoch}); "
                             f"raise epochs or max_steps to train further")
                 self.outcome = Outcome(True, "finished")
+                keeper.release()
                 self._close_mirror(False, budget)
                 return
             ranks = f" (rank {run.dist.rank} of {run.dist.world_size})" if run.dist.active else ""

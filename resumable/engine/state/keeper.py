@@ -280,8 +280,8 @@ class StateKeeper:
         sharded = info.manifest.get("sharded") == dcp.KIND
         if sharded != self.sharded:
             raise InvalidCheckpoint(f"it was written by a run whose model was {'' if sharded else 'not '}sharded "
-                                    f"(FSDP), and this one's is {'' if self.sharded else 'not'}: resume it with the "
-                                    f"model wrapped as it was")
+                                    f"(FSDP), and this run's is {'' if self.sharded else 'not '}sharded: wrap the "
+                                    f"model as the run that wrote it did")
         if sharded:
             dcp.check_ranks(info.manifest)
         frozen = info.manifest.get("frozen") or {}

@@ -34,7 +34,8 @@ def remap_position(state: TrainState, sampler: ResumableSampler, saved_world: in
     """Resume with another number of processes: the epoch goes on at the exact sample the checkpoint reached (no
     sample skipped or trained twice, whatever the new global batch), from a new batch 0 (a step boundary), and this
     rank's random streams are reseeded from (seed, rank, step): the saved ones belong to other ranks' work."""
-    done = sampler.start_of(state.epoch) + state.batch_in_epoch * sampler.batch_size * saved_world
+    done = min(sampler.start_of(state.epoch) + state.batch_in_epoch * sampler.batch_size * saved_world,
+               sampler.num_samples)  # at an epoch's end its short last batch counts what it had
     sampler.offset = (state.epoch, done) if done else None
     state.batch_in_epoch = 0
     seed_everything(rank_seed(seed, rank, state.step))
