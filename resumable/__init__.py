@@ -16,12 +16,14 @@ _PUBLIC = {  # what training code calls; the engine's parts are imported from th
     "IndexBatches": "resumable.engine.data.sources",
     "Loader": "resumable.policies",
     "Location": "resumable.policies",
+    "PortableState": "resumable.engine.state.portable",
     "Reporting": "resumable.policies",
     "ResumableError": "resumable.errors",
     "ResumableSampler": "resumable.engine.data.sampler",
     "Run": "resumable.engine.run",
     "Session": "resumable.policies",
     "Stateful": "resumable.engine.state.train_state",
+    "TrainState": "resumable.engine.state.train_state",
     "init_distributed": "resumable.distributed",
 }
 __all__ = sorted([*_PUBLIC, "__version__"])

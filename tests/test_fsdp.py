@@ -171,3 +171,26 @@ def test_chaos_kills_the_fsdp_example_and_it_ends_identical(tmp_path: Path) -> N
     done = subprocess.run(command, env=env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=1800,
                           stdin=subprocess.DEVNULL)
     assert done.returncode == 0 and "IDENTICAL" in done.stdout, (done.stdout[-3000:], done.stderr[-3000:])
+
+
+PORTABLE = Path(__file__).resolve().parent / "portable_train.py"
+
+
+def portable(run_dir: Path, result: Path, *extra: str) -> subprocess.CompletedProcess:
+    command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(PORTABLE), str(run_dir), str(result),
+               *extra]
+    return subprocess.run(command, env=env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_a_loop_with_its_own_dcp_checkpoints_resumes_exactly_with_resumables_state(tmp_path: Path) -> None:
+    """A torchtitan-style loop (its own FSDP2 model, loop and DCP checkpoints) puts PortableState in its checkpoints:
+    stopped after step 8 and resumed from step 6, it ends with the state of the run that was never stopped (the
+    data position, the per-rank counters and the dropout RNG all came back)."""
+    whole = portable(tmp_path / "whole", tmp_path / "whole.json")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    stopped = portable(tmp_path / "run", tmp_path / "stopped.json", "8")
+    assert stopped.returncode != 0 and (tmp_path / "run" / "latest").read_text() == "step-6"
+    resumed = portable(tmp_path / "run", tmp_path / "result.json")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert result(tmp_path / "result.json") == result(tmp_path / "whole.json")
