@@ -84,3 +84,18 @@ def test_end_to_end_real_mnist_one_epoch(mnist_dir: Path, tmp_path: Path) -> Non
     assert "test_acc" in result.stderr
     acc = [r["test_acc"] for r in records(run_dir) if "test_acc" in r]
     assert len(acc) == 1 and acc[0] >= 0.95, acc
+
+
+def test_every_option_of_every_command_says_what_it_does() -> None:
+    """Issue #34, item 5: `--help` explains every option (--epochs, --batch-size, --lr and --seed had no text)."""
+    import click
+
+    from resumable.cli import main
+
+    commands = {"resumable-train": train_command}
+    for name in main.list_commands(click.Context(main)):
+        commands[f"resumable {name}"] = main.get_command(click.Context(main), name)
+    silent = {name: [option.opts[0] for option in command.params
+                     if isinstance(option, click.Option) and not option.hidden and not (option.help or "").strip()]
+              for name, command in commands.items()}
+    assert not {name: options for name, options in silent.items() if options}, silent

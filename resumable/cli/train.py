@@ -55,13 +55,18 @@ class _Program(click.Command):
               "gdrive://<folder-id or root>/<path>. Re-running with the same --run-dir resumes.")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=TrainConfig.data_dir, show_default=True,
               help="Folder holding MNIST/raw/ (torchvision layout); downloaded there when missing.")
-@click.option("--epochs", type=click.IntRange(min=1), default=TrainConfig.epochs, show_default=True)
+@click.option("--epochs", type=click.IntRange(min=1), default=TrainConfig.epochs, show_default=True,
+              help="Passes over the training set; a run resumed with more epochs trains on to the new end.")
 @click.option("--max-steps", type=click.IntRange(min=0), default=None,
               help="Stop after this many optimizer steps in total (across resumes).")
-@click.option("--batch-size", type=click.IntRange(min=1), default=TrainConfig.batch_size, show_default=True)
-@click.option("--lr", type=PositiveFinite(), default=TrainConfig.lr, show_default=True)
-@click.option("--seed", type=click.IntRange(min=0, max=SEED_MAX), default=TrainConfig.seed, show_default=True)
-@click.option("--device", type=click.Choice(DEVICES), default=TrainConfig.device, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=TrainConfig.batch_size, show_default=True,
+              help="Samples a step, per process under torchrun; must equal the checkpoint's to resume.")
+@click.option("--lr", type=PositiveFinite(), default=TrainConfig.lr, show_default=True,
+              help="Adam's learning rate (the peak of --lr-schedule onecycle); must equal the checkpoint's to resume.")
+@click.option("--seed", type=click.IntRange(min=0, max=SEED_MAX), default=TrainConfig.seed, show_default=True,
+              help="Seeds the weights, the epoch orders and every random stream; must equal the checkpoint's.")
+@click.option("--device", type=click.Choice(DEVICES), default=TrainConfig.device, show_default=True,
+              help="auto: the GPU when there is one (one a process under torchrun), else the CPU.")
 @click.option("--lr-schedule", type=click.Choice(LR_SCHEDULES), default=TrainConfig.lr_schedule,
               show_default=True, help="step: x0.7 each epoch; onecycle: OneCycleLR over the whole run.")
 @click.option("--amp", type=click.Choice(AMP_MODES), default=TrainConfig.amp, show_default=True,
