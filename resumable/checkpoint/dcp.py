@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .format import InvalidCheckpoint
+from .tree import map_leaves
 
 METADATA = ".metadata"
 KIND = "dcp"  # manifest["sharded"]: model and optimizer are in DCP's files
@@ -93,15 +94,22 @@ def check_ranks(manifest: dict[str, Any]) -> None:
 
 
 def load(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Read the shards this rank needs (resharded from any world size) into ``model`` and ``optimizer``; returns the
-    state as read, for :func:`read_back`."""
+    """Read the shards this rank needs (resharded from any world size) into ``model`` and ``optimizer``; returns this
+    rank's part of the state as read (copies of its local shards), to compare with :func:`local_state`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _state(model, optimizer)
     dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    read = map_leaves(state, lambda _path, leaf: _local(leaf).clone() if isinstance(leaf, torch.Tensor) else leaf)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    return state
+    return read
+
+
+def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's live part of the model and optimizer state: every DTensor as its local shard."""
+    return map_leaves(_state(model, optimizer),
+                      lambda _path, leaf: _local(leaf) if isinstance(leaf, torch.Tensor) else leaf)
 
 
 def read_model(directory: Path) -> dict[str, torch.Tensor]:
@@ -118,46 +126,6 @@ def read_model(directory: Path) -> dict[str, torch.Tensor]:
     if not isinstance(model, dict):
         raise InvalidCheckpoint(f"{directory}: its sharded state holds no model")
     return {key: value.detach().cpu() for key, value in model.items() if isinstance(value, torch.Tensor)}
-
-
-def read_back(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              loaded: dict[str, Any]) -> tuple[str | None, int, int]:
-    """Where this rank's live shards of model and optimizer differ from what was read (None: nowhere), and how many
-    tensors and bytes of this rank were compared."""
-    live = _state(model, optimizer)
-    local = [_local(t) for t in _tensors(live)]
-    return _difference(loaded, live, ""), len(local), sum(t.numel() * t.element_size() for t in local)
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors(item)]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    return []
-
-
-def _difference(a: Any, b: Any, where: str) -> str | None:
-    if isinstance(a, dict) and isinstance(b, dict):
-        if set(a) != set(b):
-            return f"{where or '/'} keys"
-        return next((found for key in a if (found := _difference(a[key], b[key], f"{where}/{key}")) is not None),
-                    None)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return f"{where} length"
-        return next((found for i, (x, y) in enumerate(zip(a, b, strict=True))
-                     if (found := _difference(x, y, f"{where}[{i}]")) is not None), None)
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        x, y = _local(a), _local(b)
-        same = x.shape == y.shape and x.dtype == y.dtype and torch.equal(x.view(-1).view(torch.uint8)
-                                                                         if x.numel() else x,
-                                                                         y.view(-1).view(torch.uint8)
-                                                                         if y.numel() else y)
-        return None if same else where
-    return None if a == b else where
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from pathlib import Path
 from .. import log
 from ..checkpoint import CheckpointInfo, CheckpointManager
 from ..checkpoint.layout import TRAINER
+from ..storage.base import run_of
 
 
 def checkpoints(output_dir: str | os.PathLike[str]) -> CheckpointManager:
@@ -32,13 +33,7 @@ def newest_valid(store: CheckpointManager, say: Callable[[str], None] | None = N
     return chosen
 
 
-def run_id(info: CheckpointInfo | None) -> str | None:
-    """The run id a checkpoint's manifest names (one run across the sessions that resume it), or None."""
-    run = (info.manifest or {}).get("run_id") if info is not None else None
-    return run if isinstance(run, str) and run else None
-
-
 def newest_run_id(store: CheckpointManager) -> str | None:
     """The run id of the newest committed checkpoint whose files have their sizes (no hashing: at every start)."""
     valid = [info for info in store.inspect(deep=False) if info.valid]
-    return run_id(valid[-1]) if valid else None
+    return run_of(valid[-1].manifest) if valid else None

@@ -50,6 +50,7 @@ from ..config import parse_duration
 from ..engine.loop.preemption import Budget, StopFlag
 from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME, NothingToResume
 from ..platforms import colab_default_limit_s
+from ..storage.base import run_of
 from . import hf_checkpoints as hf
 from .hf_drive import DriveLink
 
@@ -159,7 +160,7 @@ class ResumableCallback(TrainerCallback):
         chosen = latest_valid(output_dir)
         if chosen is not None:
             step = TRAINER.parse(Path(chosen).name)
-            self.run_id = hf.run_id(hf.checkpoints(output_dir).check(step, Path(chosen), deep=False))
+            self.run_id = run_of(hf.checkpoints(output_dir).check(step, Path(chosen), deep=False).manifest)
         return chosen
 
     def train(self, trainer: Any, **kwargs: Any) -> Any:

@@ -20,17 +20,10 @@ from typing import Any
 
 import torch
 
+from ...distributed import Distributed
 from ..data.sampler import ResumableSampler
 from .remap import remap_position
 from .train_state import TrainState, capture_rng, restore_rng
-
-
-def _place() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 class PortableState:
@@ -40,14 +33,16 @@ class PortableState:
         self.state, self.sampler, self.seed = state, sampler, seed
 
     def state_dict(self) -> dict[str, Any]:
-        rank, world = _place()
+        place = Distributed.current()
+        rank, world = place.rank, place.world_size
         mine = io.BytesIO()  # one opaque entry a rank: DCP keeps every rank's, under its own key
         torch.save({"rng": capture_rng(), "counters": self.state.rank_dict()}, mine)
         return {"position": self.state.state_dict(), "sampler": self.sampler.state_dict(), "world_size": world,
                 f"rank{rank}": mine.getvalue()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        rank, world = _place()
+        place = Distributed.current()
+        rank, world = place.rank, place.world_size
         saved_world = int(state_dict["world_size"])
         self.state.load_state_dict(state_dict["position"])
         self.sampler.load_state_dict(state_dict["sampler"])

@@ -13,8 +13,10 @@ import torch
 
 from ...checkpoint import CheckpointManager, dcp
 from ...checkpoint.adopt import describe
+from ...checkpoint.tree import tensors
 from ...distributed import Distributed
 from ...errors import ResumeNotApplied, SaveFailed
+from .verify import difference
 
 IN_DCP = ("model", "optimizer")  # the payload entries whose state is in DCP's files
 MARK = {"sharded": dcp.KIND}  # what the payload rank 0 writes holds in their place
@@ -77,12 +79,14 @@ class Shards:
         """Read this rank's shards (resharded from any world size) and compare the live ones with what was read;
         returns what was checked. ResumeNotApplied names the first difference."""
         loaded = dcp.load(directory, self.model, self.optimizer)
-        where, count, size = dcp.read_back(self.model, self.optimizer, loaded)
+        live = dcp.local_state(self.model, self.optimizer)
+        where = difference(loaded, live)
         if where is not None:
             raise ResumeNotApplied(f"resume verification failed: this rank's shard of {where} does not hold the "
                                    f"checkpoint's state after loading it; nothing was changed on disk")
-        return (f"model + optimizer shards of rank {self.dist.rank} byte-equal to the checkpoint ({count} tensors, "
-                f"{size / 1e6:.1f} MB)")
+        local = [tensor for _, tensor in tensors(live)]
+        return (f"model + optimizer shards of rank {self.dist.rank} byte-equal to the checkpoint ({len(local)} "
+                f"tensors, {sum(t.numel() * t.element_size() for t in local) / 1e6:.1f} MB)")
 
     def release(self) -> None:
         """The session's saves are over (every rank waited for its shards): the group of the background saves goes
