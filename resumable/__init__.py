@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _PUBLIC = {  # what training code calls; the engine's parts are imported from their modules
     "Checkpointing": "resumable.policies",
+    "Evaluation": "resumable.policies",
     "IndexBatches": "resumable.engine.data.sources",
     "Loader": "resumable.policies",
     "Location": "resumable.policies",

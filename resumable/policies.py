@@ -11,6 +11,8 @@ validated when it is built, each with defaults, so the common call stays one lin
 - :class:`Checkpointing`: when to save, what to keep, how saves are written.
 - :class:`Session`: how this session starts (resume or not, from where) and when it stops (steps, time, hangs).
 - :class:`Reporting`: what is printed and logged.
+- :class:`Evaluation`: when ``evaluate`` runs and which metric picks the best checkpoint; ``evaluate`` takes a plain
+  function (at each epoch's end, best by ``test_acc``) or one of these.
 
 Nothing here imports torch. Each record checks its values when built (a ValueError names the field and the fix), and
 :func:`to_options` gives the engine's one merged :class:`~resumable.config.RunOptions`.
@@ -101,10 +103,11 @@ class Loader:
 class Checkpointing(_Policy):
     """When to save and what to keep. ``every``: a wall-clock interval (``"5m"``), ``"auto"`` (from the measured
     save cost and ``mtbf``, Young's formula) or None; ``steps``: every N optimizer steps as well. ``keep``: the
-    newest N committed checkpoints (``keep_best`` also keeps the best one by ``test_acc``). ``synchronous``: write in
-    the training thread (default: a background writer). ``on_error``: ``"warn"`` (train on) or ``"stop"`` when a
-    save fails. ``store_frozen``: write frozen tensors too (default: recorded by fingerprint). ``shard_size``: the
-    most tensor bytes per file; ``staging_memory``: host memory for background saves (default: half the free)."""
+    newest N committed checkpoints (``keep_best`` also keeps the best one: by ``test_acc``, or as
+    :class:`Evaluation` says). ``synchronous``: write in the training thread (default: a background writer).
+    ``on_error``: ``"warn"`` (train on) or ``"stop"`` when a save fails. ``store_frozen``: write frozen tensors too
+    (default: recorded by fingerprint). ``shard_size``: the most tensor bytes per file; ``staging_memory``: host
+    memory for background saves (default: half the free)."""
 
     every: str | None = "5m"
     steps: int | None = None
@@ -158,6 +161,45 @@ class Reporting(_Policy):
     tensorboard: bool = False
     wandb: str | None = None
     _OPTIONS = ("progress", "quiet", "log_every", "tensorboard", "wandb")
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """When the user's evaluation runs and what "best" means. ``fn()`` returns metrics (a mapping of floats); it runs
+    every ``every_steps`` optimizer steps (None: not within an epoch) and, with ``at_epoch_end``, after each epoch's
+    last step. It never changes the training run: the RNG streams and every module's train/eval mode are as if it had
+    not run. Each evaluation is followed by a checkpoint that records its metrics. ``monitor`` names the metric that
+    picks the best checkpoint, ``mode`` whether higher (``"max"``) or lower (``"min"``) is better;
+    ``Checkpointing(keep_best=True)`` keeps that checkpoint through retention and on Drive."""
+
+    fn: Callable[[], Mapping[str, float]]
+    every_steps: int | None = None
+    at_epoch_end: bool = True
+    monitor: str = "test_acc"
+    mode: str = "max"
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise ValueError(f"Evaluation(fn={self.fn!r}) must be a function that returns metrics, e.g. "
+                             f"{{'val_loss': 0.31}}")
+        steps = self.every_steps
+        if steps is not None and not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
+            raise ValueError(f"Evaluation(every_steps={steps!r}) must be a number of optimizer steps >= 1, or None")
+        if steps is None and not self.at_epoch_end:
+            raise ValueError("Evaluation(every_steps=None, at_epoch_end=False) would never evaluate: give every_steps "
+                             "or leave at_epoch_end=True")
+        if not isinstance(self.monitor, str) or not self.monitor:
+            raise ValueError(f"Evaluation(monitor={self.monitor!r}) must name a metric fn() returns, e.g. 'val_loss'")
+        if self.mode not in ("max", "min"):
+            raise ValueError(f"Evaluation(mode={self.mode!r}) must be 'max' (higher is better, e.g. accuracy) or "
+                             f"'min' (lower is better, e.g. a loss)")
+
+
+def evaluation_of(evaluate: Callable[[], Mapping[str, float]] | Evaluation | None) -> Evaluation | None:
+    """``Run(evaluate=...)`` as an :class:`Evaluation`: a plain function runs at each epoch's end, best by test_acc."""
+    if evaluate is None or isinstance(evaluate, Evaluation):
+        return evaluate
+    return Evaluation(evaluate)
 
 
 def to_options(epochs: int, location: Location, checkpointing: Checkpointing, session: Session,

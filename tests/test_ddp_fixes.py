@@ -21,6 +21,7 @@ from helpers import env, records
 from resumable.checkpoint.writer import SaveStats
 from resumable.distributed import Distributed
 from resumable.engine.data.sampler import ResumableSampler
+from resumable.engine.loop.evaluation import Evaluator
 from resumable.engine.loop.plan import LoopPlan
 from resumable.engine.loop.torchrun_stop import (
     STOPPED,
@@ -135,8 +136,8 @@ def _drive(dist: Any, epochs: int = 1, triggers: Any = None, session: _Session |
     if isinstance(dist, _FakeDist):
         dist.step = lambda: session.state.step
     sampler = ResumableSampler(batches * 8, 8 // world, seed=0, rank=0, world_size=world)
-    loop = Loop(session, sampler, LoopPlan(epochs=epochs), Reporter(), lambda epoch: {}, lambda: 0.1,
-                torch.device("cpu"), triggers=triggers, dist=dist)
+    loop = Loop(session, sampler, LoopPlan(epochs=epochs), Reporter(), Evaluator(None, torch.nn.Linear(1, 1)),
+                lambda: 0.1, torch.device("cpu"), triggers=triggers, dist=dist)
     for _epoch, _index, _indices, _last in loop.run():
         loop.report_loss(torch.tensor(0.5))
     return loop, session

@@ -29,7 +29,7 @@ from .adopt import listed_files
 from .layout import STEPS, Layout
 from .manifest import note as manifest_note
 from .manifest import seal
-from .retention import Candidate, steps_to_prune
+from .retention import BY_TEST_ACC, Best, Candidate, steps_to_prune
 from .sharded import META, ShardedFormat
 from .state_format import Previous, StateFormat, TorchFile
 
@@ -73,10 +73,14 @@ class CheckpointInfo:
         return value if isinstance(value, str) else None
 
     @property
-    def test_acc(self) -> float | None:
+    def metrics(self) -> dict[str, Any]:
+        """What evaluate() returned for this checkpoint's step, as the manifest records it ({} if none)."""
         metrics = self._get("metrics")
-        value = metrics.get("test_acc") if isinstance(metrics, dict) else None
-        return float(value) if _finite(value) else None
+        return metrics if isinstance(metrics, dict) else {}
+
+    @property
+    def test_acc(self) -> float | None:
+        return Best("test_acc").value(self.metrics)
 
     @property
     def size(self) -> int:
@@ -96,7 +100,8 @@ class CheckpointInfo:
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "epoch": self.epoch, "valid": self.valid, "reason": self.reason,
                 "fingerprint": self.fingerprint, "path": str(self.path), "created": self.created,
-                "size": self.size, "test_acc": self.test_acc}
+                "size": self.size, "test_acc": self.test_acc, "metrics": self.metrics,
+                "best": self._get("best") if isinstance(self._get("best"), dict) else None}
 
 
 class CheckpointManager:
@@ -270,15 +275,18 @@ class CheckpointManager:
                 removed.append(path)
         return removed
 
-    def prune(self, keep: int, keep_best: bool, protect: set[int] | frozenset[int] = frozenset()) -> list[int]:
-        """Delete committed checkpoints beyond the retention policy, and the folders without a manifest older than
+    def prune(self, keep: int, keep_best: bool, protect: set[int] | frozenset[int] = frozenset(),
+              best: Best = BY_TEST_ACC) -> list[int]:
+        """Delete committed checkpoints beyond the retention policy (the ``keep`` newest, and the best by ``best``'s
+        metric as each manifest records it when ``keep_best``), and the folders without a manifest older than
         the newest valid checkpoint (saves killed before their commit); returns the deleted steps. Folders newer
         than it are left alone (a save may be writing there), and so are committed ones that do not verify."""
         found = self.inspect(deep=False)
         valid = [info for info in found if info.valid]
         if not valid:
             return []
-        doomed = set(steps_to_prune([Candidate(i.step, i.test_acc) for i in valid], keep, keep_best, protect))
+        doomed = set(steps_to_prune([Candidate(i.step, best.value(i.metrics)) for i in valid], keep, keep_best, protect,
+                                    best))
         doomed |= {info.step for info in found
                    if not info.committed and info.step < valid[-1].step and info.step not in protect}
         for info in found:

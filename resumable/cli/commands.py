@@ -74,6 +74,7 @@ def inspect(run_dir: str, as_json: bool, drive_credentials: str | None, deep: bo
     downloads and checks each file's sha256.
     """
     from ..checkpoint import CheckpointManager, checkpoints_dir
+    from ..checkpoint.retention import best_entry
     from ..reporting.history import SESSIONS, read_sessions
     from ..storage import StorageError, open_run_location
     from ..storage.tiered import describe_remote
@@ -94,8 +95,11 @@ def inspect(run_dir: str, as_json: bool, drive_credentials: str | None, deep: bo
     except (StorageError, ValueError) as e:  # ValueError: a malformed or misspelt Drive URL, named with the fix
         fail(str(e))
     latest = next((e for e in reversed(entries) if e["valid"]), None)
+    rule, best = best_entry(entries)
     if as_json:
-        click.echo(json.dumps({"run_dir": run_dir, "checkpoints": entries, "latest_valid": latest,
+        chosen = {"monitor": rule.monitor, "mode": rule.mode, "step": best["step"] if best else None,
+                  "value": rule.value(best["metrics"]) if best else None}
+        click.echo(json.dumps({"run_dir": run_dir, "checkpoints": entries, "latest_valid": latest, "best": chosen,
                                "sessions": [s.to_json() for s in sessions]}, indent=2))
         return
     if not entries:
@@ -107,6 +111,9 @@ def inspect(run_dir: str, as_json: bool, drive_credentials: str | None, deep: bo
         size = f"{entry['size'] / 1e6:8.2f}MB" if entry.get("size") is not None else "-"
         status = checkpoint_status(entry)
         marker = "  <- latest valid" if entry is latest else ""
+        if entry is best:
+            direction = "highest" if rule.mode == "max" else "lowest"
+            marker += f"  <- best ({rule.monitor} {rule.value(entry['metrics']):.6g}, {direction})"
         epoch = entry["epoch"] if entry["epoch"] is not None else "-"
         click.echo(f"{entry['step']:>10} {epoch:>6} {created:>20} {size:>10}  {status}{marker}")
     if sessions:

@@ -34,12 +34,23 @@ from typing import Any, Protocol
 import torch
 
 from .. import log
+from ..checkpoint.retention import Best
 from ..checkpoint.writer import SaveStats
 from ..distributed import Distributed
 from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME
 from ..faults import Faults
 from ..faults import installed as installed_faults
-from ..policies import Checkpointing, Loader, Location, Reporting, Session, location_of, to_options
+from ..policies import (
+    Checkpointing,
+    Evaluation,
+    Loader,
+    Location,
+    Reporting,
+    Session,
+    evaluation_of,
+    location_of,
+    to_options,
+)
 from ..reporting.wandb import require_wandb
 from .data.sources import IndexBatches
 from .data.wrap import as_source
@@ -86,7 +97,9 @@ class Run:
     :class:`resumable.IndexBatches` for tensors already on the device, or iterable data (an ``IterableDataset``, e.g.
     Hugging Face ``datasets`` streaming, or a loader such as torchdata's ``StatefulDataLoader``; an epoch ends when
     it is exhausted: see engine/data/stream.py). ``evaluate()`` runs after each epoch and returns metrics
-    (``test_acc`` picks the best checkpoint); the model's train/eval modes are restored after it. ``objects`` adds
+    (``test_acc`` picks the best checkpoint); ``evaluate=Evaluation(fn, every_steps=500, monitor="val_loss",
+    mode="min")`` runs it every 500 steps too and keeps the lowest ``val_loss``. It never changes the training run:
+    the model's train/eval modes and every RNG stream are restored after it. ``objects`` adds
     more ``Stateful`` things to checkpoint (an EMA, a custom sampler, a ``torch``/``numpy``/``random``
     generator...). ``accumulate=K`` makes a step K micro-batches: call ``optimizer.step()`` when ``run.sync_step``
     is true; checkpoints are only taken between steps. ``config`` (JSON-able) is recorded and must match on resume.
@@ -105,7 +118,7 @@ class Run:
                  optimizer: torch.optim.Optimizer, data: Any, batch_size: int, epochs: int = 1, seed: int = 0,
                  scheduler: Stateful | None = None, scaler: Stateful | None = None,
                  objects: Mapping[str, Any] | None = None,
-                 evaluate: Callable[[], Mapping[str, float]] | None = None, accumulate: int = 1,
+                 evaluate: Callable[[], Mapping[str, float]] | Evaluation | None = None, accumulate: int = 1,
                  config: Mapping[str, Any] | None = None, device: torch.device | str | None = None,
                  amp: str | None = None, tracker: Any = None, loader: Loader | None = None,
                  checkpointing: Checkpointing | None = None, session: Session | None = None,
@@ -126,7 +139,8 @@ class Run:
         self.source, self.sampler, size = as_source(data, loader.loader_options(), batch_size, seed, loader.shuffle,
                                                     loader.drop_last, self.dist, self.allow_data_change)
         self.accumulate = accumulate
-        self.evaluate = evaluate
+        self.evaluation = evaluation_of(evaluate)  # None, or when it runs and what "best" means
+        self.best = Best(self.evaluation.monitor, self.evaluation.mode) if self.evaluation else Best()
         self.device = torch.device(device) if device is not None else hardware.device_of(model)
         self.faults = installed_faults()  # none, or those chaos's child bootstrap installed
         self._objects: dict[str, Stateful | None] = {"model": plain_module(model), "optimizer": optimizer,

@@ -28,7 +28,8 @@ class Reporter:
 
     def step(self, step: int, record: dict[str, Any] | None, postfix: dict[str, str] | None) -> None: ...
 
-    def epoch_end(self, record: dict[str, Any], summary: str) -> None: ...
+    def summary(self, record: dict[str, Any], line: str) -> None:
+        """An epoch ended or an evaluation ran within one: its record (step, metrics...) and one line saying it."""
 
     def before_commit(self) -> None:
         """On the checkpoint writer's thread, right before a checkpoint commits: make records durable."""
@@ -62,8 +63,8 @@ class Reporters(Reporter):
     def step(self, *args: Any) -> None:
         self._each("step", *args)
 
-    def epoch_end(self, *args: Any) -> None:
-        self._each("epoch_end", *args)
+    def summary(self, *args: Any) -> None:
+        self._each("summary", *args)
 
     def before_commit(self) -> None:
         self._each("before_commit")
@@ -82,7 +83,7 @@ class MetricsReporter(Reporter):
         if record is not None:
             self.metrics.log(record)
 
-    def epoch_end(self, record: dict[str, Any], summary: str) -> None:
+    def summary(self, record: dict[str, Any], line: str) -> None:
         self.metrics.log(record)
 
     def before_commit(self) -> None:
@@ -106,7 +107,7 @@ class TensorBoardReporter(Reporter):
         if record is not None:
             self.board.record(record)
 
-    def epoch_end(self, record: dict[str, Any], summary: str) -> None:
+    def summary(self, record: dict[str, Any], line: str) -> None:
         self.board.record(record)
 
     def before_commit(self) -> None:
@@ -145,10 +146,10 @@ class ProgressReporter(Reporter):
 
 
 class ConsoleReporter(Reporter):
-    """The one-line summary of each epoch."""
+    """The one-line summary of each epoch and evaluation."""
 
-    def epoch_end(self, record: dict[str, Any], summary: str) -> None:
-        log.info(summary)
+    def summary(self, record: dict[str, Any], line: str) -> None:
+        log.info(line)
 
 
 class HistoryReporter(Reporter):

@@ -223,7 +223,7 @@ class WandbReporter(Reporter):
         if record is not None:
             self._send(record)
 
-    def epoch_end(self, record: dict[str, Any], summary: str) -> None:
+    def summary(self, record: dict[str, Any], line: str) -> None:
         self._send(record)
 
     def session_end(self, step: int, ended: str) -> None:

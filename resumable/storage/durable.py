@@ -192,7 +192,8 @@ def describe_remote(remote: RemoteStore, scratch: Path, deep: bool = False) -> l
                         "fingerprint": (manifest or {}).get("fingerprint"),
                         "path": f"{remote.description}/{folder}",
                         "created": (manifest or {}).get("created_unix"), "run_id": run_of(manifest),
-                        "test_acc": ((manifest or {}).get("metrics") or {}).get("test_acc")})
+                        "test_acc": ((manifest or {}).get("metrics") or {}).get("test_acc"),
+                        "metrics": (manifest or {}).get("metrics") or {}, "best": (manifest or {}).get("best")})
     return entries
 
 

@@ -12,7 +12,6 @@ with exit 2. A chosen checkpoint whose payload cannot be loaded safely is report
 
 from __future__ import annotations
 
-import math
 import os
 import stat
 import sys
@@ -27,6 +26,7 @@ import torch
 from .. import log
 from ..atomic import replace_by
 from ..checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, checkpoints_dir, dcp, paths
+from ..checkpoint.retention import rule_of
 from ..errors import ResumableError
 
 # Wrapper prefixes on parameter names: torch.compile (``_orig_mod.``) and DistributedDataParallel (``module.``).
@@ -38,8 +38,9 @@ class ExportError(ResumableError):
 
 
 def checkpoint_to_export(run_dir: Path, best: bool = False) -> CheckpointInfo:
-    """The newest fully verified checkpoint of ``run_dir``, or with ``best`` the valid one with the highest
-    test_acc (ties: the newest)."""
+    """The newest fully verified checkpoint of ``run_dir``, or with ``best`` the valid one that is best by the run's
+    metric (the newest manifest's ``best`` record: ``monitor`` and ``mode``; before runs could choose, the highest
+    test_acc), ties: the newest."""
     manager = CheckpointManager(checkpoints_dir(run_dir))
     if not best:
         info, skipped = manager.latest_valid()
@@ -56,11 +57,20 @@ def checkpoint_to_export(run_dir: Path, best: bool = False) -> CheckpointInfo:
     if not valid:
         raise ExportError(f"no valid checkpoint in {run_dir} ({len(infos)} invalid): see resumable inspect "
                           f"{run_dir}")
-    scored = [i for i in valid if _is_number(i.test_acc)]
-    if not scored:
-        raise ExportError(f"--best: no valid checkpoint in {run_dir} records test_acc; export the newest "
-                          f"without --best")
-    return max(scored, key=lambda i: (i.test_acc, i.step))
+    ranked = _ranked(valid)
+    if not ranked:
+        raise ExportError(f"--best: no valid checkpoint in {run_dir} records {rule_of(valid[-1].manifest).monitor}; "
+                          f"export the newest without --best")
+    return ranked[0]
+
+
+def _ranked(valid: list[CheckpointInfo]) -> list[CheckpointInfo]:
+    """The valid checkpoints that record the run's monitored metric, best first (ties: the newest first)."""
+    rule = rule_of(valid[-1].manifest) if valid else rule_of(None)
+    sign = 1.0 if rule.mode == "max" else -1.0
+    scored = [(rule.value(i.metrics), i) for i in valid]
+    ordered = sorted(((v, i) for v, i in scored if v is not None), key=lambda p: (sign * p[0], p[1].step), reverse=True)
+    return [i for _, i in ordered]
 
 
 def _candidates(run_dir: Path, best: bool) -> Iterator[CheckpointInfo]:
@@ -70,8 +80,7 @@ def _candidates(run_dir: Path, best: bool) -> Iterator[CheckpointInfo]:
     yield first
     manager = CheckpointManager(checkpoints_dir(run_dir))
     if best:
-        scored = [i for i in manager.inspect(deep=True) if i.valid and _is_number(i.test_acc) and i.step != first.step]
-        yield from sorted(scored, key=lambda i: (i.test_acc, i.step), reverse=True)
+        yield from (i for i in _ranked([i for i in manager.inspect(deep=True) if i.valid]) if i.step != first.step)
         return
     for step, path in reversed(manager.step_dirs()):
         if step < first.step:
@@ -164,15 +173,13 @@ def _save_atomic(obj: Any, out: Path) -> None:
     replace_by(out, lambda handle: torch.save(obj, handle))
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
-
-
 @click.command("export", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="File to write the model state_dict to (e.g. model.pt).")
-@click.option("--best", is_flag=True, help="Export the valid checkpoint with the highest test_acc, not the newest.")
+@click.option("--best", is_flag=True,
+              help="Export the best valid checkpoint by the run's metric (Evaluation(monitor=, mode=); by default "
+                   "the highest test_acc), not the newest.")
 def export_command(run_dir: Path, out: Path, best: bool) -> None:
     """Export the model weights of RUN_DIR's newest valid checkpoint as a plain state_dict.
 
@@ -183,7 +190,8 @@ def export_command(run_dir: Path, out: Path, best: bool) -> None:
     except ExportError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    acc = f"{info.test_acc:.4f}" if _is_number(info.test_acc) else "-"
+    rule = rule_of(info.manifest)
+    value = rule.value(info.metrics)
     epoch = info.epoch if info.epoch is not None else "-"
-    click.echo(f"exported model weights of step {info.step} (epoch {epoch}, test_acc {acc}) from {info.path} "
-               f"to {out}")
+    click.echo(f"exported model weights of step {info.step} (epoch {epoch}, {rule.monitor} "
+               f"{f'{value:.4f}' if value is not None else '-'}) from {info.path} to {out}")

@@ -19,6 +19,7 @@ from ...reporting.reporters import Reporter
 from ..data.content_check import first_batch_problem, source_name
 from ..data.sampler import ResumableSampler
 from ..state.keeper import StateKeeper
+from .evaluation import Evaluator
 from .plan import Estimate, LoopPlan, Outcome
 from .preemption import Budget, StopFlag
 from .triggers import SaveTriggers
@@ -36,14 +37,15 @@ class Loop:
     optionally passes its loss to :meth:`report_loss`, then asks for the next. Bookkeeping, logging,
     triggers and saves happen between batches, at optimizer-step boundaries only: with
     ``plan.accumulate = K`` a step is K micro-batches (or the rest of the epoch), so a checkpoint never holds
-    half-accumulated gradients. ``end_epoch(epoch)`` evaluates and returns metrics such as ``test_acc``;
+    half-accumulated gradients. ``evaluate`` (engine/loop/evaluation.py) says when to evaluate (every N steps, at
+    an epoch's end) and runs the user's evaluation; each one is followed by a checkpoint that records its metrics.
     ``current_lr()`` is logged with each training record. Before every step the loop checks for a stop
     request (``stop.requested``) and whether the next step and a final save still fit in ``budget``; either
     commits a checkpoint and ends the generator with an unfinished :attr:`outcome`.
     """
 
     def __init__(self, session: StateKeeper, sampler: ResumableSampler, plan: LoopPlan, report: Reporter,
-                 end_epoch: Callable[[int], dict[str, float]],
+                 evaluate: Evaluator,
                  current_lr: Callable[[], float], device: torch.device,
                  triggers: SaveTriggers | None = None, stop: StopFlag | None = None,
                  budget: Budget | None = None, on_interval: Callable[[float, float], None] | None = None,
@@ -54,7 +56,7 @@ class Loop:
         self.sampler = sampler
         self.plan = plan
         self.report = report
-        self.end_epoch = end_epoch
+        self.evaluate = evaluate
         self.current_lr = current_lr
         self.device = device
         self.triggers = triggers or SaveTriggers(None, None)
@@ -165,8 +167,9 @@ class Loop:
         reason = self._stop_reason(saving=trigger is not None)
         if self.dist is None or not self.dist.active:
             return reason, trigger
-        # A step-count trigger is the same on every rank without asking; the wall clock is rank 0's.
-        by_steps = trigger == "steps"
+        # A step-count trigger (every N steps, an evaluation's) is the same on every rank without asking; the wall
+        # clock is rank 0's.
+        by_steps = trigger in ("steps", "evaluation")
         flags = [reason == "save error", reason == "lock lost", self.stop is not None and bool(self.stop.requested),
                  reason == "time limit", trigger is not None and not by_steps]
         previous = self._pending.result() if self._pending is not None else [False] * len(flags)
@@ -188,7 +191,7 @@ class Loop:
             reason = (self.stop.requested if self.stop is not None else None) or "signal on another rank"
         elif spent:
             reason = "time limit"
-        return reason, "steps" if by_steps else ("time" if due else None)
+        return reason, trigger if by_steps else ("time" if due else None)
 
     def _drain(self) -> None:
         """Finish the deferred decision before other collectives end the session."""
@@ -331,15 +334,22 @@ class Loop:
             self.report.step(state.step, record, postfix)
             window = []
             self.step_time.add(time.monotonic() - started)
+            # within the epoch (its last step's evaluation comes with the epoch's end, right after)
+            within = not last and self.evaluate.due(state.step, epoch_end=False)
+            metrics = self._evaluate(within_epoch=True) if within else None
             if plan.max_steps is not None and state.step >= plan.max_steps:
+                if metrics is not None:  # the final save is this one: it records the evaluation
+                    state.epoch_loss_sum = loss_sum.item()
+                    self._save("evaluation", metrics)
                 break
             if last:
                 break  # the end-of-epoch evaluation, save and stop check come right after
-            reason, trigger = self._boundary(self.triggers.due(state.step), deferred=True)
+            due = "evaluation" if metrics is not None else self.triggers.due(state.step)
+            reason, trigger = self._boundary(due, deferred=True)
             if trigger is not None or reason is not None:
                 state.epoch_loss_sum = loss_sum.item()
             if trigger is not None:
-                self._save(trigger)
+                self._save(trigger, metrics)
             if reason is not None:
                 return reason
         state.epoch_loss_sum = loss_sum.item()
@@ -354,12 +364,27 @@ class Loop:
         if problem is not None:
             raise ResumeNotApplied(problem)
 
-    def _finish_epoch(self) -> None:
+    def _evaluate(self, within_epoch: bool = False) -> dict[str, float]:
+        """Run the evaluation now (the hang watchdog paused) and note the best; one ``within_epoch`` is reported here
+        (an epoch's end reports its evaluation with the epoch's record)."""
         state = self.state
         started = time.monotonic()
         with self._paused():
-            results = self.end_epoch(state.epoch)
+            results = self.evaluate()
         self.eval_time.add(time.monotonic() - started)
+        self.evaluate.record_best(state, results)
+        if not within_epoch:
+            return results
+        self._tick()
+        record = {"step": state.step, "epoch": state.epoch + 1, **results, "elapsed_s": round(state.elapsed_s, 3),
+                  "time": time.time()}
+        self.report.summary(record, f"step {state.step} (epoch {state.epoch + 1})"
+                            + "".join(f"  {k} {v:.4f}" for k, v in results.items()))
+        return results
+
+    def _finish_epoch(self) -> None:
+        state = self.state
+        results = self._evaluate() if self.evaluate.due(state.step, epoch_end=True) else {}
         self._drain()
         loss_sum, loss_count = state.epoch_loss_sum, state.epoch_loss_count
         if self.dist is not None and self.dist.active:  # the epoch's train loss over every rank's batches
@@ -368,9 +393,6 @@ class Loop:
         self._tick()
         record = {"step": state.step, "epoch": state.epoch + 1, "train_loss": train_loss, **results,
                   "elapsed_s": round(state.elapsed_s, 3), "time": time.time()}
-        acc = results.get("test_acc")
-        if acc is not None and (state.best_test_acc is None or acc > state.best_test_acc):
-            state.best_test_acc, state.best_step = acc, state.step
         eta = self.eta_s()
         total = self.total_steps
         progress = (f"  run {100 * state.step / max(total, 1):.0f}% (step {state.step}/{total}"
@@ -378,7 +400,7 @@ class Loop:
         summary = (f"epoch {state.epoch + 1}/{self.plan.epochs}  step {state.step}  train_loss {train_loss:.4f}"
                    + "".join(f"  {k} {v:.4f}" for k, v in results.items())
                    + f"  trained {format_duration(state.elapsed_s)} in all" + progress)
-        self.report.epoch_end(record, summary)
+        self.report.summary(record, summary)
         state.epoch += 1
         state.batch_in_epoch = 0
         state.epoch_loss_sum = 0.0

@@ -27,7 +27,7 @@ from ...reporting.metrics import METRICS, MetricsLog
 from ...reporting.reporters import Reporters
 from ...reporting.wandb import WANDB_ID, choose_id
 from ...storage.tiered import Mirror
-from ..loop.evaluation import evaluator
+from ..loop.evaluation import Evaluator
 from ..loop.plan import LoopPlan, Outcome
 from ..loop.preemption import Budget, StopFlag, session_budget
 from ..loop.torchrun_stop import planned_stop_before_restart, record_planned_stop
@@ -154,8 +154,9 @@ class TrainingSession:
                 share_limit=run.options.keep - 1 if run.options.keep >= 2 else None), run.faults),
             run._objects, run.state,
             meta={"config": run.settings, "computation": run.computation, "device": str(run.device),
-                  "world_size": run.dist.world_size, "run_id": choice.run_id, **self._tracking(choice), **where},
-            keep=run.options.keep, keep_best=run.options.keep_best,
+                  "world_size": run.dist.world_size, "run_id": choice.run_id,
+                  "best": {"monitor": run.best.monitor, "mode": run.best.mode}, **self._tracking(choice), **where},
+            keep=run.options.keep, keep_best=run.options.keep_best, best=run.best,
             writer=CheckpointWriter(asynchronous=not run.options.sync_checkpoints),
             before_commit=lambda: self._report.before_commit(),
             after_commit=self._after_commit, dist=run.dist,
@@ -171,6 +172,12 @@ class TrainingSession:
         self.resumed_from, self.data_change = resumed.step, resumed.data_change
         start(run.run_dir, {name: (run._given.get(name), obj) for name, obj in run._objects.items()
                              if name != "sampler"}, run.model, resumed)
+
+    def _evaluator(self) -> Evaluator:
+        run, evaluation = self.run, self.run.evaluation
+        if evaluation is None:
+            return Evaluator(None, run.model)
+        return Evaluator(evaluation.fn, run.model, evaluation.every_steps, evaluation.at_epoch_end, run.best)
 
     def _after_upload(self) -> None:
         """The Drive mirror finished an upload (on its thread): a step retention kept for it may go now."""
@@ -247,7 +254,7 @@ class TrainingSession:
                      all_ranks=True)
             report.session_start(state.step, total, self.resumed_from)  # numbers the session: the watchdog's files
             optimizer = run.optimizer
-            loop = Loop(keeper, run.sampler, plan, report, evaluator(run.evaluate, run.model),
+            loop = Loop(keeper, run.sampler, plan, report, self._evaluator(),
                         lambda: optimizer.param_groups[0]["lr"], run.device, triggers=save_triggers(run.options),
                         stop=stop, budget=budget, on_interval=interval_notice(run.options), dist=run.dist,
                         lost=(lambda: rundir.lost) if main else None, watchdog=self._watch(rundir, state.step))

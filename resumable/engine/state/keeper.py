@@ -18,6 +18,7 @@ from ... import log
 from ...checkpoint import CheckpointInfo, CheckpointManager, InvalidCheckpoint, dcp, digests, fingerprint
 from ...checkpoint import format as fmt
 from ...checkpoint.memory import PeakMemory
+from ...checkpoint.retention import BY_TEST_ACC, Best
 from ...checkpoint.staging import Staging, default_budget
 from ...checkpoint.tree import map_leaves
 from ...checkpoint.writer import CheckpointWriter
@@ -63,7 +64,7 @@ class StateKeeper:
                  after_commit: Callable[[int], None] | None = None, dist: Distributed | None = None,
                  faults: Faults = NO_FAULTS, modules: torch.nn.Module | None = None, store_frozen: bool = False,
                  staging_memory: int | None = None, protect: Callable[[], set[int]] | None = None,
-                 fresh: frozenset[str] = frozenset()) -> None:
+                 fresh: frozenset[str] = frozenset(), best: Best = BY_TEST_ACC) -> None:
         if "model" not in objects or "optimizer" not in objects:
             raise ValueError("a keeper needs at least 'model' and 'optimizer' objects")
         self.manager = manager
@@ -72,6 +73,7 @@ class StateKeeper:
         self.meta = meta
         self.keep = keep
         self.keep_best = keep_best
+        self.best = best  # the metric and direction of the checkpoint keep_best keeps
         self.before_commit = before_commit
         self.after_commit = after_commit
         self.protect = protect  # steps retention keeps for now (the one the Drive mirror is uploading)
@@ -214,7 +216,8 @@ class StateKeeper:
         kept for its upload is durable (``protect``)."""
         with self._prune_lock:
             try:
-                self.manager.prune(self.keep, self.keep_best, self.protect() if self.protect is not None else set())
+                self.manager.prune(self.keep, self.keep_best, self.protect() if self.protect is not None else set(),
+                                   self.best)
             except OSError as e:  # the new checkpoint is committed; a failed prune only leaves extra ones
                 log.warning(f"pruning old checkpoints failed ({e}); they stay on disk and the next save tries again")
 

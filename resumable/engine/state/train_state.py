@@ -54,8 +54,11 @@ class TrainState:
     # equals that of an uninterrupted one.
     epoch_loss_sum: float = _per_rank(0.0)
     epoch_loss_count: int = _per_rank(0)
-    best_test_acc: float | None = None
+    # The best evaluation so far: its monitored value and step, and which metric that is ("val_loss:min"), so that a
+    # resume monitoring another one starts its best afresh (engine/loop/evaluation.py).
+    best_value: float | None = None
     best_step: int | None = None
+    best_metric: str | None = None
 
     @classmethod
     def per_rank_fields(cls) -> tuple[str, ...]:
@@ -73,6 +76,9 @@ class TrainState:
             setattr(self, name, counters[name])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "best_test_acc" in state and "best_value" not in state:  # before any metric could be monitored
+            acc = state["best_test_acc"]
+            state = {**state, "best_value": acc, "best_metric": "test_acc:max" if acc is not None else None}
         names = {f.name for f in dataclasses.fields(self)}
         missing = names - set(state)
         if missing:
