@@ -52,6 +52,7 @@ from ..policies import (
     to_options,
 )
 from ..reporting.wandb import require_wandb
+from .data.more_sources import PREFIX, MoreBatches
 from .data.sources import IndexBatches
 from .data.wrap import as_source
 from .loop.plan import Outcome
@@ -246,6 +247,26 @@ class Run:
         """Report the loss of the batch just trained (not synced): train loss per epoch and log records."""
         if self._session is not None and self._session.loop is not None:
             self._session.loop.report_loss(loss)
+
+    def loader(self, name: str, data: Any, batch_size: int, *, shuffle: bool = True, drop_last: bool = False,
+               loader: Loader | None = None) -> MoreBatches:
+        """Declare another source of batches (before the loop): ``next(it)`` inside the loop gives its next batch, in
+        its own order, epoch after epoch. Its position is checkpointed with the run, so a resume continues it
+        exactly (engine/data/more_sources.py). ``data``: a map-style Dataset (through a DataLoader as ``loader``
+        says: workers, collate_fn...) or :class:`resumable.IndexBatches`."""
+        if self._session is not None:
+            raise RuntimeError(f"run.loader({name!r}, ...) must come before the loop (`for ... in run`): its position "
+                               f"is part of every checkpoint from the first one")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"run.loader(name={name!r}): give each source a name, e.g. 'noise'")
+        key = PREFIX + name
+        if key in self._objects:
+            raise ValueError(f"run.loader({name!r}, ...) was declared twice, or clashes with objects={{{key!r}: ...}}")
+        options = loader or Loader()
+        source = MoreBatches(name, data, batch_size, int(self.computation["seed"]), shuffle, drop_last,
+                             options.loader_options(), self.dist, self.device)
+        self._objects[key] = source
+        return source
 
     # -- the loop ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[int, int, Any]]:

@@ -27,6 +27,7 @@ from ...reporting.metrics import METRICS, MetricsLog
 from ...reporting.reporters import Reporters
 from ...reporting.wandb import WANDB_ID, choose_id
 from ...storage.tiered import Mirror
+from ..data.more_sources import PREFIX
 from ..loop.evaluation import Evaluator
 from ..loop.plan import LoopPlan, Outcome
 from ..loop.preemption import Budget, StopFlag, session_budget
@@ -340,6 +341,9 @@ class TrainingSession:
         finally:
             watch.close()
             run.source.close()
+            for name, obj in run._objects.items():  # the sources of run.loader(...): their workers end too
+                if name.startswith(PREFIX):
+                    obj.close()
 
     def _wait_quietly(self, at_once: bool = False) -> None:
         """Let an in-flight save finish (it is consistent) without raising over another exception; give it up when
