@@ -124,7 +124,8 @@ class Run:
         log.set_rank(self.dist.rank)
         self.allow_data_change = session.allow_data_change
         self.source, self.sampler, size = as_source(data, loader.loader_options(), batch_size, seed, loader.shuffle,
-                                                    loader.drop_last, self.dist, self.allow_data_change)
+                                                    loader.drop_last, self.dist, self.allow_data_change,
+                                                    loader.sampler, loader.batch_sampler)
         self.accumulate = accumulate
         self.evaluate = evaluate
         self.device = torch.device(device) if device is not None else hardware.device_of(model)
