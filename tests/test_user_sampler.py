@@ -145,8 +145,8 @@ def test_a_sampler_in_the_loader_options_or_with_a_stream_is_refused(tmp_path: P
 
 def test_a_resume_with_another_sampler_or_without_one_is_refused() -> None:
     saved = _order(sampler_train.Drifting(N)).state_dict()
-    with pytest.raises(ValueError, match=r"differs from the checkpoint's \(user_sampler: checkpoint 'replayed', now 'seeded'"
-                                         r"; type: checkpoint 'Drifting', now 'WeightedRandomSampler'"):
+    with pytest.raises(ValueError, match=r"differs from the checkpoint's \(user_sampler: checkpoint 'replayed', "
+                                         r"now 'seeded'; type: checkpoint 'Drifting', now 'WeightedRandomSampler'"):
         _order(USERS["weighted"][0]()).load_state_dict(saved)
     with pytest.raises(ValueError, match="written with your own 'Drifting' as the Loader's sampler"):
         ResumableSampler(N, 8, seed=5).load_state_dict(saved)

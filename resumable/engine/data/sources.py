@@ -192,7 +192,7 @@ class LoaderBatches:
             if reserved in loader_options:
                 fix = (f"pass your own as Loader({reserved}=...), which resumes it exactly" if "sampler" in reserved
                        else "leave it out of the loader options")
-                raise ValueError(f"{reserved}= in the loader options is decided by resumable (it orders and batches "
+                raise ValueError(f"{reserved}= is decided by resumable in the loader options (it orders and batches "
                                  f"the data to resume at any batch); {fix}")
         self.dataset = SeededDataset(dataset)
         self.options = loader_options
