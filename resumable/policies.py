@@ -78,8 +78,17 @@ class Location(_Policy):
 class Loader:
     """How a map-style dataset becomes batches (a ``DataLoader`` per epoch over the Run's resumable sampler):
     ``shuffle``, ``drop_last``, ``num_workers``, ``collate_fn``, ``pin_memory`` and any other DataLoader
-    ``options`` (``persistent_workers``, ``prefetch_factor``...; ``sampler``, ``batch_sampler`` and ``generator``
-    belong to the Run)."""
+    ``options`` (``persistent_workers``, ``prefetch_factor``...; ``generator`` belongs to the Run).
+
+    ``sampler``: your own index sampler instead of the Run's (batched by the Run's ``batch_size`` and ``drop_last``;
+    ``shuffle`` no longer applies), e.g. ``WeightedRandomSampler(w, n, generator=torch.Generator())``;
+    ``batch_sampler``: your own batches of indices, used as they are (any sizes, e.g. grouped by length). One of the
+    two, with a ``__len__``, and one process only. A resume regenerates the epoch's indices and starts at the saved
+    batch: O(1) when it has ``state_dict``/``load_state_dict``, ``set_epoch`` or a ``torch.Generator`` in
+    ``.generator`` (seeded from (seed, epoch) by the Run), else by replaying its earlier epochs (docs/own-model.md)::
+
+        Loader(batch_sampler=BucketBatchSampler(lengths, tokens=4096, generator=torch.Generator()))
+    """
 
     shuffle: bool = True
     drop_last: bool = False
@@ -87,8 +96,13 @@ class Loader:
     collate_fn: Callable | None = None
     pin_memory: bool = False
     options: Mapping[str, Any] = field(default_factory=dict)
+    sampler: Any = None
+    batch_sampler: Any = None
 
     def __post_init__(self) -> None:
+        if self.sampler is not None and self.batch_sampler is not None:
+            raise ValueError("Loader(sampler=..., batch_sampler=...): give one of them: a sampler's indices are "
+                             "batched by the Run's batch_size, a batch_sampler's batches are used as they are")
         if not (isinstance(self.num_workers, int) and not isinstance(self.num_workers, bool) and self.num_workers >= 0):
             raise ValueError(f"Loader(num_workers={self.num_workers!r}) must be 0 or more")
 

@@ -2,9 +2,10 @@
 continues bit-identically, both sources included.
 
 The real samples (points on a ring of 8 Gaussians) are the Run's ``data``; the generator's latent codes come from a
-second source, ``run.loader("codes", ...)``: a bank of 300 codes drawn once, shuffled in its own order, in batches of
-64 (the short rest dropped): it runs out every 4 steps and starts its next epoch, while an epoch of real data is 8. Each step trains the discriminator
-on a real batch and a generated one, then the generator. Synthetic data, no download.
+second source, ``run.loader("codes", ...)``: a bank of 300 codes drawn once, shuffled in its own order, in batches
+of 64 (the short rest dropped): it runs out every 4 steps and starts its next epoch, while an epoch of real data is
+8 steps. Each step trains the discriminator on a real batch and a generated one, then the generator. Synthetic
+data, no download.
 
     python scripts/gan_example.py --run-dir runs/gan --epochs 4
 """
@@ -55,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                         checkpointing=resumable.Checkpointing(steps=args.checkpoint_steps),
                         session=resumable.Session(max_steps=args.max_steps),
                         reporting=resumable.Reporting(log_every=args.log_every))
-    latent = run.loader("codes", codes, batch_size=64, drop_last=True)  # the second source: its position is checkpointed too
+    # the second source: its position is checkpointed too
+    latent = run.loader("codes", codes, batch_size=64, drop_last=True)
     ones, zeros = torch.ones(64, 1), torch.zeros(64, 1)
     for _epoch, _step, (real,) in run:
         (z,) = next(latent)

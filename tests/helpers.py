@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import subprocess
@@ -59,6 +60,19 @@ def final_fingerprint(run_dir: Path) -> str:
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
     return without_timing(read_records(Path(run_dir) / "metrics.jsonl"))
+
+
+def train_script(script: Path, main: Any, args: list[str], faults: Any = None, **extra_env: str
+                 ) -> subprocess.CompletedProcess:
+    """A test training script (tests/stream_train.py, tests/sampler_train.py): in this process through its ``main``
+    (fast) without ``faults``; as its own process with them (a resumable.faults.Faults, e.g. a SIGKILL at a step)."""
+    if faults is None:
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            code = main(args)
+        return subprocess.CompletedProcess(args, code, "", stderr.getvalue())
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300,
+                          env=env(**extra_env, **faults.to_env()), stdin=subprocess.DEVNULL)
 
 
 @contextlib.contextmanager

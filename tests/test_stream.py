@@ -5,17 +5,14 @@ kills, one on the very first step after a resume and one inside a save."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import env, final_fingerprint, records
+from helpers import final_fingerprint, records, train_script
 
 from resumable import Loader, Reporting, Run
 from resumable.errors import ResumableError
@@ -30,13 +27,8 @@ SCRIPT = Path(__file__).with_name("stream_train.py")
 def _train(run_dir: Path, kind: str, workers: int, *, faults: Faults | None = None, max_steps: int | None = None
            ) -> subprocess.CompletedProcess:
     args = [str(run_dir), kind, str(workers), *([str(max_steps)] if max_steps is not None else [])]
-    if faults is None:  # in this process (fast); a session that is killed runs as its own process
-        stderr = io.StringIO()
-        with contextlib.redirect_stderr(stderr):
-            code = stream_train.main(args)
-        return subprocess.CompletedProcess(args, code, "", stderr.getvalue())
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300,
-                          env=env(HF_DATASETS_OFFLINE="1", **faults.to_env()), stdin=subprocess.DEVNULL)
+    # in this process (fast); a session that is killed runs as its own process
+    return train_script(SCRIPT, stream_train.main, args, faults, HF_DATASETS_OFFLINE="1")
 
 
 def _killed(run_dir: Path, kind: str, workers: int, faults: Faults) -> str:

@@ -138,7 +138,8 @@ class Run:
         log.set_rank(self.dist.rank)
         self.allow_data_change = session.allow_data_change
         self.source, self.sampler, size = as_source(data, loader.loader_options(), batch_size, seed, loader.shuffle,
-                                                    loader.drop_last, self.dist, self.allow_data_change)
+                                                    loader.drop_last, self.dist, self.allow_data_change,
+                                                    loader.sampler, loader.batch_sampler)
         self.accumulate = accumulate
         self.evaluation = evaluation_of(evaluate)  # None, or when it runs and what "best" means
         self.best = Best(self.evaluation.monitor, self.evaluation.mode) if self.evaluation else Best()

@@ -82,7 +82,11 @@ def upcoming(source: Any, epoch: int, batch: int) -> dict[str, Any] | None:
 
 
 def source_name(source: Any) -> str:
-    """The data a sampler or stream reads, as the user knows it (its dataset's or loader's type)."""
+    """The data a sampler or stream reads, as the user knows it (its dataset's or loader's type, or the user's own
+    sampler)."""
+    named = getattr(source, "source_name", None)
+    if isinstance(named, str):
+        return named
     for name in ("dataset", "loader"):
         data = getattr(source, name, None)
         if data is not None:

@@ -176,6 +176,11 @@ class ResumableSampler:
                 **({"offset": list(self.offset)} if self.offset is not None else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if isinstance(state, dict) and "user_sampler" in state:
+            raise ValueError(f"the checkpoint was written with your own {state.get('type')!r} as the Loader's "
+                             f"{'batch_sampler' if state.get('batched') else 'sampler'}, this run orders the data with "
+                             f"resumable's sampler: pass the same one again (resumable.Loader(sampler=...)), or start "
+                             f"over with --fresh --overwrite")
         mine = {k: v for k, v in self.state_dict().items() if k != "offset"}
         if self.allow_size_change:  # Run(allow_data_change=True): checked at an epoch boundary by the Run
             mine.pop("num_samples")

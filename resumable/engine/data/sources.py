@@ -1,6 +1,7 @@
 """Where a run's batches come from, addressed by (epoch, batch index) so a resume starts anywhere in O(1).
 
-Two sources share the :class:`~resumable.engine.data.sampler.ResumableSampler` order:
+Two sources share the :class:`~resumable.engine.data.sampler.ResumableSampler` order (or the user's own,
+:class:`~resumable.engine.data.user_order.UserOrder`, which has the same interface):
 
 * :class:`IndexBatches` calls ``fetch(indices)`` in the training process: the fast path for data that is
   already resident on the device (the built-in MNIST task).
@@ -189,8 +190,10 @@ class LoaderBatches:
     def __init__(self, dataset: Dataset, **loader_options: Any) -> None:
         for reserved in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator"):
             if reserved in loader_options:
-                raise ValueError(f"{reserved}= is decided by resumable (its sampler orders and batches the data); "
-                                 f"leave it out of the loader options")
+                fix = (f"pass your own as Loader({reserved}=...), which resumes it exactly" if "sampler" in reserved
+                       else "leave it out of the loader options")
+                raise ValueError(f"{reserved}= is decided by resumable in the loader options (it orders and batches "
+                                 f"the data to resume at any batch); {fix}")
         self.dataset = SeededDataset(dataset)
         self.options = loader_options
         self.persistent = bool(loader_options.get("persistent_workers")) and loader_options.get("num_workers", 0) > 0

@@ -253,6 +253,8 @@ class TrainingSession:
             log.info(f"training on {run.device}{ranks} with {torch.get_num_threads()} CPU thread(s): step "
                      f"{state.step} → {total or 'the end of the data'}, checkpoints in {manager.root}",
                      all_ranks=True)
+            if callable(getattr(run.sampler, "describe", None)):  # the user's own sampler: how it is resumed
+                log.info(run.sampler.describe())
             report.session_start(state.step, total, self.resumed_from)  # numbers the session: the watchdog's files
             optimizer = run.optimizer
             loop = Loop(keeper, run.sampler, plan, report, self._evaluator(),
