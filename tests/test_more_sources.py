@@ -71,6 +71,8 @@ def test_a_source_is_declared_once_before_the_loop_with_map_style_data(tmp_path:
     training.loader("codes", data, batch_size=2)
     with pytest.raises(ValueError, match="declared twice"):
         training.loader("codes", data, batch_size=2)
+    with pytest.raises(ValueError, match="for the Run's data= only"):
+        training.loader("weighted", data, batch_size=2, loader=Loader(sampler=range(8)))
     with pytest.raises(TypeError, match="map-style Dataset"):
         training.loader("stream", iter([1, 2]), batch_size=2)
     for _ in training:

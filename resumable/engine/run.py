@@ -264,6 +264,9 @@ class Run:
         if key in self._objects:
             raise ValueError(f"run.loader({name!r}, ...) was declared twice, or clashes with objects={{{key!r}: ...}}")
         options = loader or Loader()
+        if options.sampler is not None or options.batch_sampler is not None:
+            raise ValueError(f"run.loader({name!r}, ...): a source of its own is ordered by resumable (shuffle=, "
+                             f"drop_last=); Loader(sampler=/batch_sampler=) is for the Run's data= only")
         source = MoreBatches(name, data, batch_size, int(self.computation["seed"]), shuffle, drop_last,
                              options.loader_options(), self.dist, self.device)
         self._objects[key] = source
