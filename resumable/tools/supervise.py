@@ -39,7 +39,7 @@ from ..platforms import DEADLINE_ENV, deadline_left_s
 
 FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP")
 PREFIX = "resumable run"
-# What the child runs for MODULE:FUNCTION: import, call without arguments (ARGS are in sys.argv), exit with its int.
+# What the child runs: the script as __main__, or MODULE:FUNCTION imported and called (see call_target).
 _BOOT = ("import sys; from resumable.tools.supervise import call_target; "
          "sys.exit(call_target(sys.argv[1], sys.argv[2:]))")
 
@@ -119,20 +119,20 @@ def deadline_for(time_limit_s: float | None, now: float) -> float | None:
 
 
 def child_command(target: str, args: Sequence[str], python: str = sys.executable) -> list[str]:
-    """The command line of one child: ``python FILE.py ARGS`` or the ``MODULE:FUNCTION`` boot; ValueError naming
-    the fix for a target that is neither."""
+    """The command line of one child (the boot: :func:`call_target`); ValueError naming the fix for a target that
+    is neither ``FILE.py`` nor ``MODULE:FUNCTION`` (or ``FILE.py:FUNCTION``)."""
     where, colon, function = target.rpartition(":")
     if target.endswith(".py") or (not colon and os.sep in target):
         if not Path(target).is_file():
             raise ValueError(f"there is no script {target!r} (relative to {os.getcwd()}); give the path of your "
                              f"training script, e.g. resumable run train.py -- --lr 3e-4")
-        return [python, "-u", str(Path(target).resolve()), *args]
-    if not colon:
+        target = str(Path(target).resolve())
+    elif not colon:
         raise ValueError(f"{target!r} is neither a script (FILE.py) nor MODULE:FUNCTION; e.g. resumable run "
                          f"train.py -- ARGS, or resumable run mypkg.train:main -- ARGS")
-    if not all(p.isidentifier() for p in function.split(".")):
+    elif not all(p.isidentifier() for p in function.split(".")):
         raise ValueError(f"{target!r}: {function!r} after the colon is not a function name; e.g. mypkg.train:main")
-    if where.endswith(".py"):
+    elif where.endswith(".py"):
         if not Path(where).is_file():
             raise ValueError(f"there is no script {where!r} (relative to {os.getcwd()}) for {target!r}")
         target = f"{Path(where).resolve()}:{function}"
@@ -142,9 +142,15 @@ def child_command(target: str, args: Sequence[str], python: str = sys.executable
 
 
 def call_target(target: str, args: list[str]) -> int:
-    """In the child: import ``MODULE`` (or ``FILE.py``), call ``FUNCTION()`` with ``sys.argv = [MODULE, *args]``;
-    its int return value (or the ``exit_code`` of what it returns, e.g. a Run) is the exit code. An exception is
-    Python's own: its traceback and exit 1."""
+    """In the child: run ``FILE.py`` as ``__main__`` (as ``python FILE.py`` does), or import ``MODULE`` (or
+    ``FILE.py``) and call ``FUNCTION()``, with ``sys.argv = [FILE or MODULE, *args]``; a function's int return value
+    (or the ``exit_code`` of what it returns, e.g. a Run) is the exit code, and ``sys.exit`` works as usual.
+
+    An uncaught :class:`~resumable.errors.ResumableError` is reported as Python reports it (the traceback, and the
+    session's end recorded through ``sys.excepthook``), then ends the child with its documented code instead of
+    Python's 1: 77 for a crash loop, 2 for bad input, so that the supervisor stops instead of restarting. Any other
+    exception is Python's own: its traceback and exit 1."""
+    from ..errors import ResumableError
     from .forkserver import _exit_code, load
 
     try:
@@ -154,7 +160,11 @@ def call_target(target: str, args: list[str]) -> int:
               f"{os.getcwd()} (or installed) and has that function", file=sys.stderr)
         return EXIT_USAGE
     sys.argv = [program, *args]
-    return _exit_code(function())
+    try:
+        return _exit_code(function(list(args)) if ":" not in target else function())
+    except ResumableError as e:
+        sys.excepthook(type(e), e, e.__traceback__)
+        return e.exit_code
 
 
 def _child_setup(prctl: Callable[..., int] | None) -> Callable[[], None]:
