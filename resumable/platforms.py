@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 
 from .config import parse_duration
 from .errors import ResumableError
@@ -17,6 +18,27 @@ from .errors import ResumableError
 COLAB_VM_LIFETIME_S = 12 * 3600.0
 COLAB_LIFETIME_ENV = "RESUMABLE_COLAB_VM_LIFETIME"
 COLAB_SAFETY_S = 20 * 60.0
+# A Unix time (seconds since the epoch) at which a session's budget ends at the latest, whatever its own time limit:
+# `resumable run --time-limit` gives each script it (re)starts what is left of the supervised session this way.
+DEADLINE_ENV = "RESUMABLE_DEADLINE"
+
+
+def deadline_left_s(now: float | None = None) -> float | None:
+    """Seconds from ``now`` (``time.time()``) until ``$RESUMABLE_DEADLINE`` (0 once it has passed); None when unset.
+    ResumableError (exit 2) for a value that is not a positive finite number, naming the fix."""
+    text = os.environ.get(DEADLINE_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        deadline = float(text)
+    except ValueError:
+        deadline = math.nan
+    if not (math.isfinite(deadline) and deadline > 0):
+        raise ResumableError(f"{DEADLINE_ENV}={text!r} is not a Unix time in seconds (what `resumable run "
+                             f"--time-limit` sets, e.g. {time.time() + 3600:.0f} for an hour from now); unset it for "
+                             f"no deadline")
+    return max(deadline - (time.time() if now is None else now), 0.0)
+
 
 def in_colab() -> bool:
     return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ

@@ -1,5 +1,5 @@
-"""The ``resumable`` command group: inspect, verify, chaos, drive-login, and the lazily imported export, torchrun
-and plot."""
+"""The ``resumable`` command group: inspect, verify, chaos, run, drive-login, and the lazily imported export,
+torchrun and plot."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from typing import Any
 import click
 
 from ..config import parse_duration
-from .exits import fail
+from ..errors import ResumableError
+from .exits import echo_err, exit_with, fail
 from .params import Duration
 
 
@@ -301,6 +302,56 @@ def _verify_drive(run_dir: str, credentials: str | None, deep: bool) -> None:
                 "no checkpoint is valid: start over with --fresh --overwrite, or use another --run-dir")
         click.echo(f"newest checkpoint (step {committed[-1]['step']}) is not valid; {then}", err=True)
         sys.exit(1)
+
+
+@main.command("run", context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
+@click.argument("target", metavar="SCRIPT|MODULE:FUNCTION")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[-- ARGS...]")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
+              help="Restarts after a crash or a hang (exit 76) before giving up with the script's last exit code.")
+@click.option("--backoff", type=Duration(), default="5s", show_default=True,
+              help="Wait before the first restart; it doubles with each restart, up to --backoff-max.")
+@click.option("--backoff-max", type=Duration(), default="5m", show_default=True,
+              help="The longest wait before a restart.")
+@click.option("--time-limit", type=Duration(), default=None,
+              help="Budget of the whole supervised session (e.g. 11h): each start of the script gets what is left, "
+                   "through RESUMABLE_DEADLINE, and stops cleanly (exit 75) before it ends. Default: none (the "
+                   "script's own limit; in Colab the VM's lifetime).")
+@click.option("--min-session", type=Duration(), default="2m", show_default=True,
+              help="With --time-limit: no restart starts with less than this left after its backoff.")
+def run_command(target: str, args: tuple[str, ...], max_restarts: int, backoff: str, backoff_max: str,
+                time_limit: str | None, min_session: str) -> None:
+    """Run a resumable script and restart it after a crash or a hang.
+
+    SCRIPT is a training script that uses resumable.Run and ends with sys.exit(run.exit_code); MODULE:FUNCTION
+    (or FILE.py:FUNCTION) is imported and called without arguments. Everything after SCRIPT (after `--`) goes to
+    it as its arguments. Its output is not captured. Stops on exit 0 (done), 75 (stopped early, state committed),
+    74 (not durable on Drive: run again to upload), 77 (crash loop) and 2 (bad input); restarts after 76 (hang),
+    any other code or death by a signal, from the newest committed checkpoint. SIGINT, SIGTERM and SIGHUP are
+    passed to the script (it saves and exits 75) and end the supervision. Exits with the script's last code
+    (128+N for death by signal N).
+
+    \b
+      resumable run train.py -- --lr 3e-4
+      resumable run --time-limit 11h --max-restarts 5 mypkg.train:main -- --epochs 20
+    """
+    from ..tools.supervise import Policy, Supervisor, child_command
+
+    if args[:1] == ("--",):
+        args = args[1:]
+    try:
+        command = child_command(target, args)
+    except ValueError as e:
+        fail(str(e))
+    policy = Policy(max_restarts=max_restarts, backoff_s=parse_duration(backoff),
+                    backoff_max_s=parse_duration(backoff_max),
+                    time_limit_s=None if time_limit is None else parse_duration(time_limit),
+                    min_session_s=parse_duration(min_session))
+    try:
+        supervisor = Supervisor(command, policy, echo=echo_err)
+    except ResumableError as e:  # an inherited RESUMABLE_DEADLINE that is not a time
+        fail(str(e))
+    exit_with(supervisor.run())
 
 
 def _register_commands() -> None:

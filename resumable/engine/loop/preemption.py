@@ -198,7 +198,22 @@ def process_age_s() -> float:
 
 def session_budget(options: RunOptions, durable_s: Callable[[int], float] | None = None) -> Budget:
     """This session's budget: ``time_limit`` counted from the process's start, else in Colab the VM's lifetime less a
-    margin, else none. ``durable_s``: a Drive run dir's upload estimate (see Budget)."""
+    margin, else none; and at the latest ``$RESUMABLE_DEADLINE`` (platforms.DEADLINE_ENV: what a supervisor,
+    ``resumable run --time-limit``, leaves of its session). ``durable_s``: a Drive run dir's upload estimate (see
+    Budget)."""
+    budget = _own_budget(options, durable_s)
+    left = platforms.deadline_left_s()
+    if left is None:
+        return budget
+    mine = budget.remaining()
+    if mine is not None and mine <= left:
+        return budget
+    log.info(f"stopping cleanly within {format_duration(left)} ({platforms.DEADLINE_ENV}: what is left of the "
+             f"supervised session's --time-limit)")
+    return Budget(left, durable_s=durable_s)
+
+
+def _own_budget(options: RunOptions, durable_s: Callable[[int], float] | None) -> Budget:
     start = time.monotonic() - process_age_s()
     if options.time_limit_s is not None:
         return Budget(options.time_limit_s, start=start, durable_s=durable_s)
