@@ -3,7 +3,8 @@
 What an LLM fine-tune in Colab looks like, at toy size: a GPT-style model in plain torch, byte-level windows
 streamed from text files by an ``IterableDataset`` (with ``state_dict``/``load_state_dict``, so a resume seeks
 straight to its position instead of replaying), AdamW with linear warmup and cosine decay, gradient clipping,
-bf16 autocast, 4 micro-batches per optimizer step, and optionally LoRA through ``peft`` (the frozen base is then
+bf16 autocast, 4 micro-batches per optimizer step, a validation loss every ``--eval-every`` steps (the
+checkpoint with the lowest one is kept), and optionally LoRA through ``peft`` (the frozen base is then
 recorded by sha256 in checkpoints, not written). Runs offline on CPU in seconds::
 
     python scripts/lm_example.py --run-dir runs/lm                         # text: this project's own sources
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-steps", type=int, default=10)
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) on a frozen base")
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--eval-every", type=int, default=50,
+                        help="val_loss on held-out windows every N steps; the lowest one's checkpoint is kept (0: off)")
     args = parser.parse_args(argv)
 
     files = sorted(glob.glob(args.text, recursive=True))[:args.max_files]
@@ -143,9 +146,20 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
 
+    held_out = next(iter(torch.utils.data.DataLoader(ByteWindows(files[-1:], args.block), batch_size=16)))
+
+    def evaluate() -> dict[str, float]:  # mid-epoch too: a one-epoch run gets evaluations and a best checkpoint
+        model.eval()  # resumable puts the train/eval modes (and every RNG stream) back afterwards
+        x, y = (t.to(device) for t in held_out)
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+            logits = model(x)
+        return {"val_loss": F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).item()}
+
+    evaluation = (resumable.Evaluation(evaluate, every_steps=args.eval_every, monitor="val_loss", mode="min")
+                  if args.eval_every else None)
     run = resumable.Run(args.run_dir, model=model, optimizer=optimizer, scheduler=scheduler,
                         data=ByteWindows(files, args.block), batch_size=args.batch_size, epochs=args.epochs,
-                        accumulate=args.accumulate,
+                        accumulate=args.accumulate, evaluate=evaluation,
                         config={"files": len(files), "block": args.block, "lora": args.lora},
                         loader=resumable.Loader(num_workers=args.num_workers),
                         checkpointing=resumable.Checkpointing(steps=args.checkpoint_steps),
