@@ -41,6 +41,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
 import transformers
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
@@ -48,8 +49,9 @@ from .. import log
 from ..checkpoint.layout import TRAINER
 from ..config import parse_duration
 from ..engine.loop.preemption import Budget, StopFlag
+from ..engine.state.determinism import version_difference
 from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME, NothingToResume
-from ..platforms import colab_default_limit_s
+from ..platforms import hosted
 from ..storage.base import run_of
 from . import hf_checkpoints as hf
 from .hf_drive import DriveLink
@@ -87,12 +89,36 @@ def latest_valid(output_dir: str | os.PathLike[str], drive: str | None = None) -
     chosen = hf.newest_valid(store)
     if chosen is not None:
         log.info(f"resuming from {chosen.path.name} ({chosen.path})")
+        note = versions_note(chosen.manifest)
+        if note is not None:
+            log.warning(note)
         return str(chosen.path)
     committed = [info.path.name for info in store.inspect(deep=False) if info.committed]
     if committed:
         raise NothingToResume(f"{output_dir} has committed checkpoints ({', '.join(committed)}) but none verifies; "
                               f"refusing to start over on top of them. Delete them or use another output_dir")
     return None
+
+
+def versions_note(manifest: dict[str, Any] | None) -> str | None:
+    """One line when ``manifest`` was written by another torch major.minor or another transformers major (None: the
+    same, or not recorded): the checkpoint resumes, bit-identity is only promised on the same versions."""
+    manifest = manifest or {}
+    torch_then, hf_then = manifest.get("torch_version"), manifest.get("transformers_version")
+    torch_differs = version_difference(torch_then) is not None
+    hf_differs = _major(hf_then) is not None and _major(hf_then) != _major(transformers.__version__)
+    if not (torch_differs or hf_differs):
+        return None
+    then = " and ".join(f"{name} {v}" for name, v, d in (("torch", torch_then, torch_differs),
+                                                         ("transformers", hf_then, hf_differs)) if d)
+    now = " and ".join(f"{name} {v}" for name, v, d in (("torch", torch.__version__, torch_differs),
+                                                        ("transformers", transformers.__version__, hf_differs)) if d)
+    return (f"this checkpoint was written with {then} and this session runs {now}: it resumes, but bit-identity with "
+            f"an uninterrupted run is only promised on the same versions")
+
+
+def _major(version: Any) -> str | None:
+    return version.split(".", 1)[0] if isinstance(version, str) and version[:1].isdigit() else None
 
 
 def finished_at(checkpoint: str | os.PathLike[str], args: TrainingArguments) -> int | None:
@@ -128,7 +154,7 @@ class ResumableCallback(TrainerCallback):
                  flush_timeout: str | float = "10m", cache_dir: str | None = None,
                  credentials: str | None = None) -> None:
         limit = _seconds(time_limit, "time_limit")
-        self.budget = Budget(limit if limit is not None else colab_default_limit_s())
+        self.budget = Budget(limit if limit is not None else _hosted_left_s())
         self.drive = drive
         self.flush_timeout_s = _seconds(flush_timeout, "flush_timeout") or 0.0
         self._drive_options = {"cache_dir": cache_dir, "credentials": credentials}
@@ -332,3 +358,9 @@ def _barrier() -> None:
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def _hosted_left_s() -> float | None:
+    """What is left of a Colab VM's or Kaggle session's life, less the margin (None elsewhere)."""
+    session = hosted()
+    return session.left_s if session is not None else None
