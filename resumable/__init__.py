@@ -26,6 +26,7 @@ _PUBLIC = {  # what training code calls; the engine's parts are imported from th
     "Stateful": "resumable.engine.state.train_state",
     "TrainState": "resumable.engine.state.train_state",
     "init_distributed": "resumable.distributed",
+    "usable_device": "resumable.engine.state.preflight",
 }
 __all__ = sorted([*_PUBLIC, "__version__"])
 

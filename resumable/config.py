@@ -28,8 +28,8 @@ DURATION_MAX_S = 366 * 24 * 3600.0
 # Fields whose change alters the computation; checked against the checkpoint on resume.
 COMPUTATION_FIELDS = ("task", "batch_size", "seed", "lr", "lr_schedule", "amp")
 # Fields that belong to one invocation and are never inherited from a checkpoint.
-SESSION_FIELDS = ("run_dir", "progress", "download", "time_limit", "cache_dir", "drive_credentials", "tensorboard",
-                  "wandb", "quiet")
+SESSION_FIELDS = ("run_dir", "cpu_fallback", "progress", "download", "time_limit", "cache_dir", "drive_credentials",
+                  "tensorboard", "wandb", "quiet")
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,7 @@ class TrainConfig(RunOptions):
     lr: float = 1e-3
     seed: int = 1
     device: str = "auto"
+    cpu_fallback: bool = False  # a GPU that fails its preflight (engine/state/preflight.py): the CPU instead of exit 2
     lr_schedule: str = "none"
     amp: str = "none"
     download: bool = True

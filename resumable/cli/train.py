@@ -13,7 +13,7 @@ from .exits import echo_err, exit_now, exit_with
 from .params import Duration, PositiveFinite, Size
 
 # click parameter name -> TrainConfig field, for options that map one to one.
-_CONFIG_OPTIONS = ("run_dir", "data_dir", "epochs", "max_steps", "batch_size", "lr", "seed", "device",
+_CONFIG_OPTIONS = ("run_dir", "data_dir", "epochs", "max_steps", "batch_size", "lr", "seed", "device", "cpu_fallback",
                    "lr_schedule", "amp", "checkpoint_steps", "checkpoint_every", "mtbf", "time_limit",
                    "sync_checkpoints", "on_save_error",
                    "keep", "keep_best", "log_every", "tensorboard", "wandb", "download", "progress", "cache_dir",
@@ -67,6 +67,9 @@ class _Program(click.Command):
               help="Seeds the weights, the epoch orders and every random stream; must equal the checkpoint's.")
 @click.option("--device", type=click.Choice(DEVICES), default=TrainConfig.device, show_default=True,
               help="auto: the GPU when there is one (one a process under torchrun), else the CPU.")
+@click.option("--cpu-fallback/--no-cpu-fallback", default=TrainConfig.cpu_fallback, show_default=True,
+              help="A GPU that fails its preflight (one real CUDA operation, its architecture against this torch's: "
+                   "a Kaggle P100): train on the CPU with a warning instead of exiting 2 with the fix.")
 @click.option("--lr-schedule", type=click.Choice(LR_SCHEDULES), default=TrainConfig.lr_schedule,
               show_default=True, help="step: x0.7 each epoch; onecycle: OneCycleLR over the whole run.")
 @click.option("--amp", type=click.Choice(AMP_MODES), default=TrainConfig.amp, show_default=True,

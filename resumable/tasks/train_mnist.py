@@ -11,14 +11,14 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import log
+from .. import log, platforms
 from ..config import COMPUTATION_FIELDS, SESSION_FIELDS, TrainConfig
 from ..distributed import Distributed
 from ..engine.data.sources import IndexBatches
 from ..engine.run import Opening, Run, TaskResult, ToolHooks, train_task
 from ..engine.rundir.run_dir import Choice
 from ..engine.session import identity
-from ..engine.state import hardware
+from ..engine.state import hardware, preflight
 from ..engine.state.train_state import seed_everything
 from ..errors import ConfigMismatch, ResumableError
 from ..policies import Location, from_options
@@ -40,16 +40,21 @@ def resolve_config(explicit: dict[str, Any], saved: dict[str, Any] | None) -> Tr
     return TrainConfig(**{**base, **explicit})
 
 
-def _device_type(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ResumableError("--device cuda was given but CUDA is not available here; use --device cpu or auto")
-    return name
+def _device_type(name: str, cpu_fallback: bool = False) -> str:
+    """"cuda" or "cpu" for ``--device name``: a GPU that is there must pass its preflight (engine/state/preflight.py),
+    else exit 2 with the fix, or the CPU with ``--cpu-fallback``."""
+    if name == "cpu":
+        return "cpu"
+    if not torch.cuda.is_available():
+        if name == "cuda":
+            raise ResumableError("--device cuda was given but CUDA is not available here; use --device cpu or auto")
+        return "cpu"
+    hint = "--cpu-fallback to fall back to it when this check fails, or --device cpu"
+    return preflight.usable_device("cuda", allow_cpu=cpu_fallback, hint=hint).type
 
 
-def _pick_device(name: str, dist: Distributed) -> torch.device:
-    if _device_type(name) == "cuda":
+def _pick_device(kind: str, dist: Distributed) -> torch.device:
+    if kind == "cuda":
         torch.cuda.set_device(dist.local_rank)  # under torchrun: one GPU per process
         return torch.device("cuda", dist.local_rank)
     return torch.device("cpu")
@@ -69,9 +74,17 @@ class MnistTraining:
 
     def __init__(self, explicit: dict[str, Any]) -> None:
         self.explicit = dict(explicit)
+        self._device_type: str | None = None
+        if "run_dir" not in explicit and platforms.outside_kaggle_working(TrainConfig.run_dir):
+            # on Kaggle the default run dir goes where a saved version keeps it (a notebook's cwd is there already)
+            self.explicit["run_dir"] = str(platforms.KAGGLE_WORKING / TrainConfig.run_dir)
 
     def device_type(self) -> str:
-        return _device_type(self.explicit.get("device", TrainConfig.device))
+        """Decided once per session: the GPU's preflight runs before the process group and the checkpoint."""
+        if self._device_type is None:
+            self._device_type = _device_type(self.explicit.get("device", TrainConfig.device),
+                                             bool(self.explicit.get("cpu_fallback", TrainConfig.cpu_fallback)))
+        return self._device_type
 
     def location(self) -> Location:
         given = self.explicit
@@ -85,7 +98,7 @@ class MnistTraining:
     def build(self, dist: Distributed, choice: Choice) -> tuple[Run, Callable[[Any], torch.Tensor]]:
         latest = choice.latest
         cfg = resolve_config(self.explicit, latest.manifest.get("config") if latest is not None else None)
-        device = _pick_device(cfg.device, dist)
+        device = _pick_device("cpu" if cfg.device == "cpu" else self.device_type(), dist)
         # Deterministic cuDNN kernels cost little on this small CNN; resumes are bit-identical on GPU too.
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False

@@ -197,10 +197,10 @@ def process_age_s() -> float:
 
 
 def session_budget(options: RunOptions, durable_s: Callable[[int], float] | None = None) -> Budget:
-    """This session's budget: ``time_limit`` counted from the process's start, else in Colab the VM's lifetime less a
-    margin, else none; and at the latest ``$RESUMABLE_DEADLINE`` (platforms.DEADLINE_ENV: what a supervisor,
-    ``resumable run --time-limit``, leaves of its session). ``durable_s``: a Drive run dir's upload estimate (see
-    Budget)."""
+    """This session's budget: ``time_limit`` counted from the process's start, else in Colab the VM's lifetime (on
+    Kaggle the session's limit) less a margin, else none; and at the latest ``$RESUMABLE_DEADLINE``
+    (platforms.DEADLINE_ENV: what a supervisor, ``resumable run --time-limit``, leaves of its session).
+    ``durable_s``: a Drive run dir's upload estimate (see Budget)."""
     budget = _own_budget(options, durable_s)
     left = platforms.deadline_left_s()
     if left is None:
@@ -217,17 +217,16 @@ def _own_budget(options: RunOptions, durable_s: Callable[[int], float] | None) -
     start = time.monotonic() - process_age_s()
     if options.time_limit_s is not None:
         return Budget(options.time_limit_s, start=start, durable_s=durable_s)
-    colab = platforms.colab_default_limit_s()
-    if colab is None:
+    session = platforms.hosted()
+    if session is None:
         return Budget(None, durable_s=durable_s)
-    lifetime, source = platforms.colab_vm_lifetime_s()
-    if colab <= 0:  # no floor: a step now would eat the margin kept for the last save before the VM goes
-        log.warning(f"Colab VM: less than {format_duration(platforms.COLAB_SAFETY_S)} is left of its "
-                    f"{format_duration(lifetime)} lifetime ({source}, counted from VM start): saving a checkpoint and "
-                    f"stopping now, before any step. Continue on a fresh runtime, or set "
-                    f"{platforms.COLAB_LIFETIME_ENV} (e.g. 24h on Colab Pro) or --time-limit if this VM lives longer")
+    lifetime = f"{format_duration(session.lifetime_s)} lifetime ({session.source}, counted from {session.counted_from})"
+    change = f"set {session.lifetime_env} or --time-limit"
+    if session.left_s <= 0:  # no floor: a step now would eat the margin kept for the last save before the end
+        log.warning(f"{session.name}: less than {format_duration(platforms.COLAB_SAFETY_S)} is left of its {lifetime}: "
+                    f"saving a checkpoint and stopping now, before any step. Continue in a fresh session, or {change} "
+                    f"if this one lives longer")
     else:
-        log.info(f"Colab detected: stopping cleanly after {format_duration(colab)} (before the VM's "
-                 f"{format_duration(lifetime)} lifetime, {source}, counted from VM start); pass --time-limit or set "
-                 f"{platforms.COLAB_LIFETIME_ENV} to change it")
-    return Budget(colab, durable_s=durable_s)
+        log.info(f"{session.name} detected: stopping cleanly after {format_duration(session.left_s)} (before its "
+                 f"{lifetime}); {change} to change it")
+    return Budget(session.left_s, durable_s=durable_s)

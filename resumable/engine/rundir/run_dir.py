@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ... import log
+from ... import log, platforms
 from ...checkpoint import CheckpointInfo, CheckpointManager, checkpoints_dir
 from ...distributed import Distributed
 from ...envvars import env_number
@@ -136,6 +136,10 @@ class RunDir:
             opened.identity = identity
             return opened, chosen
         opened: RunDir | None = None
+        if platforms.outside_kaggle_working(run_dir):
+            log.warning(f"Kaggle: the run dir {run_dir} is outside {platforms.KAGGLE_WORKING}, the only folder a saved "
+                        f"version keeps: its checkpoints are lost with this session. Put it under "
+                        f"{platforms.KAGGLE_WORKING} (e.g. {platforms.KAGGLE_WORKING / 'runs' / Path(run_dir).name})")
         try:
             opened = cls(run_dir, _location(run_dir, cache_dir, credentials))
             opened.identity = identity

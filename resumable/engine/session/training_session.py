@@ -36,7 +36,7 @@ from ..loop.training_loop import Loop
 from ..loop.triggers import interval_notice, save_triggers
 from ..loop.watchdog import Watchdog, start_watchdog
 from ..rundir.run_dir import Choice, RunDir
-from ..state import determinism, hardware
+from ..state import determinism, hardware, preflight
 from ..state.keeper import StateKeeper
 from ..state.verify import TrainingWatch
 from . import fresh_start, identity, notebook, open_runs
@@ -116,6 +116,7 @@ class TrainingSession:
             log.warning(f"faults injected on purpose ({run.faults.describe()}): a chaos test, not a normal run")
         run._close_previous()  # before choosing: its last save may still commit
         open_runs.wait_for_stuck_save(run.run_dir)
+        preflight.check_cuda(run.device)  # a GPU that fails its first operation: exit 2 before anything is loaded
         self._identity = (identity.code_digest([run._built_in, self._loop_file, identity.class_file(run.model)]),
                           identity.config_digest(run.settings))
         if run._prepared is not None:
