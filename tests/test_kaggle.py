@@ -104,3 +104,16 @@ def test_a_saved_version_near_its_limit_stops_with_a_committed_checkpoint(tiny_m
     assert re.search(r"Kaggle session detected: stopping cleanly after \d+s", done.stderr), done.stderr[-2000:]
     assert "the only folder a saved version keeps" in done.stderr  # tmp_path is not /kaggle/working
     assert newest_valid(tmp_path / "run").step > 0  # it trained, and its last state is committed
+
+
+def test_the_trainer_callback_takes_the_kaggle_budget_and_a_supervisors_deadline(
+        kaggle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    import time
+
+    from resumable.integrations.transformers import ResumableCallback
+    monkeypatch.setattr(platforms, "container_age_s", lambda: 3 * HOUR)
+    assert ResumableCallback().budget.limit_s == pytest.approx(12 * HOUR - platforms.COLAB_SAFETY_S - 3 * HOUR)
+    monkeypatch.setenv(platforms.DEADLINE_ENV, str(time.time() + HOUR))  # `resumable run --time-limit` leaves 1 h
+    assert ResumableCallback().budget.limit_s == pytest.approx(HOUR, abs=5)
+    assert ResumableCallback(time_limit="30m").budget.limit_s == pytest.approx(1800)

@@ -51,7 +51,7 @@ from ..config import parse_duration
 from ..engine.loop.preemption import Budget, StopFlag
 from ..engine.state.determinism import version_difference
 from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME, NothingToResume
-from ..platforms import hosted
+from ..platforms import deadline_left_s, hosted
 from ..storage.base import run_of
 from . import hf_checkpoints as hf
 from .hf_drive import DriveLink
@@ -142,8 +142,9 @@ def finished_at(checkpoint: str | os.PathLike[str], args: TrainingArguments) -> 
 class ResumableCallback(TrainerCallback):
     """Commits the Trainer's checkpoints, stops it in time, mirrors it to Drive (see the module docstring).
 
-    ``time_limit``: seconds or a duration ("90m", "2h") from the callback's creation; None: Colab's VM lifetime
-    (counted from the VM's boot, less 20 min) inside Colab, no limit elsewhere. ``drive``: where committed
+    ``time_limit``: seconds or a duration ("90m", "2h") from the callback's creation (at most what
+    ``resumable run --time-limit`` leaves); None: Colab's VM lifetime or Kaggle's session limit less 20 min (counted
+    from the VM's boot, or the Kaggle container's start), no limit elsewhere. ``drive``: where committed
     checkpoints are mirrored. ``flush_timeout``: how long the end of ``train`` waits for uploads.
 
     After ``train`` returns: :attr:`stopped_early` (the reason, or None) and :attr:`exit_code` (0; 75 stopped early
@@ -154,7 +155,7 @@ class ResumableCallback(TrainerCallback):
                  flush_timeout: str | float = "10m", cache_dir: str | None = None,
                  credentials: str | None = None) -> None:
         limit = _seconds(time_limit, "time_limit")
-        self.budget = Budget(limit if limit is not None else _hosted_left_s())
+        self.budget = Budget(_limit_s(limit))
         self.drive = drive
         self.flush_timeout_s = _seconds(flush_timeout, "flush_timeout") or 0.0
         self._drive_options = {"cache_dir": cache_dir, "credentials": credentials}
@@ -360,7 +361,11 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _hosted_left_s() -> float | None:
-    """What is left of a Colab VM's or Kaggle session's life, less the margin (None elsewhere)."""
+def _limit_s(given: float | None) -> float | None:
+    """This session's budget: ``given`` (``time_limit``), else what is left of a Colab VM's or Kaggle session's life
+    less the margin; at most what a supervisor's deadline leaves (``resumable run --time-limit``:
+    $RESUMABLE_DEADLINE). None when none applies."""
     session = hosted()
-    return session.left_s if session is not None else None
+    own = given if given is not None else session.left_s if session is not None else None
+    limits = [v for v in (own, deadline_left_s()) if v is not None]
+    return min(limits) if limits else None
