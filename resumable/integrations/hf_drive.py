@@ -6,7 +6,7 @@ The output dir is a CheckpointManager with the Trainer's layout (hf_checkpoints.
 gdrive://...`` reads them. On a fresh VM :meth:`DriveLink.restore` brings the newest durable one back into the output
 dir (verified sha256 by sha256, manifest last) before the Trainer looks for a checkpoint. The local cache of a
 ``gdrive://`` location only keeps the Drive API's unfinished upload sessions (``OUTPUT_DIR/.resumable/`` unless
-``cache_dir`` says otherwise).
+``cache_dir`` says otherwise). The Lightning callback uses the same link on its ``step-N`` folders (``layout=STEPS``).
 """
 
 from __future__ import annotations
@@ -15,16 +15,18 @@ import os
 from pathlib import Path
 
 from .. import log
+from ..checkpoint import CheckpointManager
+from ..checkpoint.layout import TRAINER, Layout
 from ..storage import open_run_location
 from ..storage.restore import restore_newest
 from ..storage.tiered import Mirror
-from . import hf_checkpoints as hf
 
 CACHE = ".resumable"  # in OUTPUT_DIR; the Trainer only looks at checkpoint-* entries
 
 
 class DriveLink:
-    """The Drive (``gdrive://...``) or mounted-Drive location a Trainer's ``output_dir`` is mirrored to.
+    """The Drive (``gdrive://...``) or mounted-Drive location a Trainer's ``output_dir`` is mirrored to (``layout``: how
+    its checkpoint folders are named; the Lightning callback's are ``step-N``).
 
     >>> link = DriveLink("out", "gdrive://root/runs/x")  # doctest: +SKIP
     >>> link.restore()   # before trainer.train: the newest durable checkpoint, as out/checkpoint-N
@@ -32,7 +34,7 @@ class DriveLink:
     """
 
     def __init__(self, output_dir: str | os.PathLike[str], drive: str, cache_dir: str | None = None,
-                 credentials: str | None = None) -> None:
+                 credentials: str | None = None, layout: Layout = TRAINER) -> None:
         self.output_dir = Path(output_dir)
         location = open_run_location(drive, cache_dir=cache_dir or str(self.output_dir / CACHE),
                                      credentials=credentials)
@@ -40,7 +42,7 @@ class DriveLink:
             raise ValueError(f"drive={drive!r} is neither a gdrive:// URL nor a folder on a mounted Google Drive "
                              f"(/content/drive/...); give one of them, or leave drive out to keep checkpoints local")
         self.remote = location.remote
-        self.checkpoints = hf.checkpoints(self.output_dir)
+        self.checkpoints = CheckpointManager(self.output_dir, layout=layout)
         self.mirror: Mirror | None = None
 
     def restore(self) -> int | None:
