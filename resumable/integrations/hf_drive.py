@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from .. import log
+from ..checkpoint import CheckpointManager
 from ..storage import open_run_location
 from ..storage.restore import restore_newest
 from ..storage.tiered import Mirror
@@ -32,7 +33,9 @@ class DriveLink:
     """
 
     def __init__(self, output_dir: str | os.PathLike[str], drive: str, cache_dir: str | None = None,
-                 credentials: str | None = None) -> None:
+                 credentials: str | None = None, checkpoints: CheckpointManager | None = None) -> None:
+        """``checkpoints``: the folders mirrored (default: ``output_dir``'s ``checkpoint-N``; the Accelerate
+        integration passes its own ``checkpoint_N`` store)."""
         self.output_dir = Path(output_dir)
         location = open_run_location(drive, cache_dir=cache_dir or str(self.output_dir / CACHE),
                                      credentials=credentials)
@@ -40,7 +43,7 @@ class DriveLink:
             raise ValueError(f"drive={drive!r} is neither a gdrive:// URL nor a folder on a mounted Google Drive "
                              f"(/content/drive/...); give one of them, or leave drive out to keep checkpoints local")
         self.remote = location.remote
-        self.checkpoints = hf.checkpoints(self.output_dir)
+        self.checkpoints = checkpoints if checkpoints is not None else hf.checkpoints(self.output_dir)
         self.mirror: Mirror | None = None
 
     def restore(self) -> int | None:
