@@ -10,7 +10,7 @@ import pytest
 
 from resumable.checkpoint import CheckpointManager
 from resumable.checkpoint import format as fmt
-from resumable.checkpoint.layout import STEPS, TRAINER, step_of
+from resumable.checkpoint.layout import ACCELERATE, STEPS, TRAINER, step_of
 from resumable.storage.durable import hash_remote, remote_checkpoints
 from resumable.storage.mounted import MountedDirStore
 from resumable.storage.restore import restore_newest
@@ -29,7 +29,8 @@ def trainer_save(store: CheckpointManager, step: int, value: int, run_id: str = 
 
 
 @pytest.mark.parametrize(("layout", "step", "name"),
-                         [(STEPS, 1234, "step-000001234"), (TRAINER, 1234, "checkpoint-1234")])
+                         [(STEPS, 1234, "step-000001234"), (TRAINER, 1234, "checkpoint-1234"),
+                          (ACCELERATE, 1234, "checkpoint_1234")])
 def test_each_layout_names_and_reads_back_its_folders(layout, step: int, name: str) -> None:  # noqa: ANN001
     assert layout.name(step) == name and layout.parse(name) == step and step_of(name) == step
 
@@ -38,6 +39,11 @@ def test_each_layout_names_and_reads_back_its_folders(layout, step: int, name: s
                                   "checkpoint-" + "9" * 20, "checkpoints", "runs"])
 def test_the_trainer_layout_refuses_what_is_not_one_of_its_folders(name: str) -> None:
     assert TRAINER.parse(name) is None
+
+
+@pytest.mark.parametrize("name", ["checkpoint_", "checkpoint-12", "checkpoint_1.tmp-x", "checkpoint_١٢", "checkpoints"])
+def test_the_accelerate_layout_refuses_what_is_not_one_of_its_folders(name: str) -> None:
+    assert ACCELERATE.parse(name) is None
 
 
 def test_a_trainer_output_dir_is_committed_checked_and_pruned_by_the_checkpoint_manager(tmp_path: Path) -> None:

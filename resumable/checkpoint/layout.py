@@ -1,4 +1,5 @@
-"""How a checkpoint folder is named for its step: resumable's ``step-000001234`` or the Trainer's ``checkpoint-N``.
+"""How a checkpoint folder is named for its step: resumable's ``step-000001234``, the Trainer's ``checkpoint-N`` or
+Accelerate's ``checkpoint_N``.
 
 A :class:`Layout` is the only place a folder name is made or read. The CheckpointManager takes one (its root holds
 folders of that layout), the Mirror and a restore from Drive use the manager's, so a Trainer's ``checkpoint-N``
@@ -18,18 +19,19 @@ MAX_DIGITS = 19  # a 64-bit step
 
 @dataclass(frozen=True)
 class Layout:
-    """Folders named ``<prefix>-<step>``, the step zero-padded to ``width`` digits (0: not padded)."""
+    """Folders named ``<prefix><sep><step>``, the step zero-padded to ``width`` digits (0: not padded)."""
 
     prefix: str
     width: int = 0
+    sep: str = "-"
 
     def name(self, step: int) -> str:
-        return f"{self.prefix}-{step:0{self.width}d}"
+        return f"{self.prefix}{self.sep}{step:0{self.width}d}"
 
     def parse(self, name: str) -> int | None:
         """The step of a folder name of this layout, or None for anything else (a temp name, non-ASCII digits:
         str.isdigit accepts "١٢٣" or "²", which int() reads or rejects)."""
-        head = f"{self.prefix}-"
+        head = f"{self.prefix}{self.sep}"
         if not name.startswith(head) or TMP_MARK in name:
             return None
         digits = name[len(head):]
@@ -38,7 +40,8 @@ class Layout:
 
 STEPS = Layout("step", 9)  # RUN_DIR/checkpoints/step-000001234 (resumable-train, Run)
 TRAINER = Layout("checkpoint")  # OUTPUT_DIR/checkpoint-1234 (transformers.trainer_utils.PREFIX_CHECKPOINT_DIR)
-LAYOUTS = (STEPS, TRAINER)
+ACCELERATE = Layout("checkpoint", sep="_")  # PROJECT_DIR/checkpoints/checkpoint_1234 (Accelerate's automatic naming)
+LAYOUTS = (STEPS, TRAINER, ACCELERATE)
 
 
 def step_of(name: str) -> int | None:

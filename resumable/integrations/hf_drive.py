@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .. import log
 from ..checkpoint import CheckpointManager
-from ..checkpoint.layout import TRAINER, Layout
+from ..checkpoint.layout import TRAINER
 from ..storage import open_run_location
 from ..storage.restore import restore_newest
 from ..storage.tiered import Mirror
@@ -34,7 +34,9 @@ class DriveLink:
     """
 
     def __init__(self, output_dir: str | os.PathLike[str], drive: str, cache_dir: str | None = None,
-                 credentials: str | None = None, layout: Layout = TRAINER) -> None:
+                 credentials: str | None = None, checkpoints: CheckpointManager | None = None) -> None:
+        """``checkpoints``: the folders mirrored (default: ``output_dir``'s ``checkpoint-N``; the Accelerate
+        integration passes its own ``checkpoint_N`` store)."""
         self.output_dir = Path(output_dir)
         location = open_run_location(drive, cache_dir=cache_dir or str(self.output_dir / CACHE),
                                      credentials=credentials)
@@ -42,7 +44,8 @@ class DriveLink:
             raise ValueError(f"drive={drive!r} is neither a gdrive:// URL nor a folder on a mounted Google Drive "
                              f"(/content/drive/...); give one of them, or leave drive out to keep checkpoints local")
         self.remote = location.remote
-        self.checkpoints = CheckpointManager(self.output_dir, layout=layout)
+        self.checkpoints = (checkpoints if checkpoints is not None
+                            else CheckpointManager(self.output_dir, layout=TRAINER))
         self.mirror: Mirror | None = None
 
     def restore(self) -> int | None:

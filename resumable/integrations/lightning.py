@@ -15,8 +15,9 @@ What it adds to Lightning:
 * **What Lightning's checkpoint lacks.** The RNG streams (Python, NumPy, torch CPU and CUDA) go into the callback's
   state in the checkpoint and are put back where the uninterrupted run stood; the per-step metrics
   (``DIRPATH/metrics.jsonl``, what the step logged) are rolled back to the resumed step, so each step is there once.
-* **Stops in time.** SIGTERM, SIGINT, SIGUSR1, SIGHUP and the session budget (``time_limit``; Colab's VM lifetime by
-  default in Colab) save, commit and stop the Trainer at the next step boundary; :attr:`exit_code` is then 75.
+* **Stops in time.** SIGTERM, SIGINT, SIGUSR1, SIGHUP and the session budget (``time_limit``; Colab's VM lifetime or
+  Kaggle's session limit by default there; at most what ``resumable run --time-limit`` leaves) save, commit and stop
+  the Trainer at the next step boundary; :attr:`exit_code` is then 75.
 * **Drive.** ``drive=`` mirrors committed folders with the same Mirror as ``resumable-train`` and the HF Trainer
   (hf_drive.DriveLink on ``step-N`` folders).
 
@@ -36,13 +37,13 @@ from typing import Any
 from lightning.pytorch.callbacks import Checkpoint
 
 from .. import log
+from ..checkpoint import CheckpointManager
 from ..checkpoint.layout import STEPS
 from ..config import parse_duration
-from ..engine.loop.preemption import Budget, StopFlag
+from ..engine.loop.preemption import Budget, StopFlag, integration_limit_s
 from ..engine.state.train_state import capture_rng, restore_rng
 from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME
 from ..faults import Faults, installed
-from ..platforms import colab_default_limit_s
 from ..reporting.metrics import MetricsLog
 from ..storage.base import run_of
 from . import lightning_io as lio
@@ -87,7 +88,7 @@ class ResumableCallback(Checkpoint):
         self.dirpath = Path(dirpath)
         self.every_n_steps, self.keep = every_n_steps, keep
         limit = _seconds(time_limit, "time_limit")
-        self.budget = Budget(limit if limit is not None else colab_default_limit_s())
+        self.budget = Budget(integration_limit_s(limit))
         self.faults = faults or installed()
         self.checkpoint_io = CommitCheckpointIO(self.dirpath, faults=self.faults)
         self.metrics = MetricsLog(self.dirpath / metrics) if metrics else None
@@ -106,7 +107,8 @@ class ResumableCallback(Checkpoint):
     # -- before fit -----------------------------------------------------------------------------------------
     def _drive_link(self) -> DriveLink | None:
         if self.drive is not None and self._link is None:
-            self._link = DriveLink(self.dirpath, self.drive, layout=STEPS, **self._drive_options)
+            steps = CheckpointManager(Path(self.dirpath), layout=STEPS)
+            self._link = DriveLink(self.dirpath, self.drive, checkpoints=steps, **self._drive_options)
         return self._link
 
     def latest_valid(self) -> str | None:

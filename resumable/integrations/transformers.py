@@ -48,10 +48,9 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from .. import log
 from ..checkpoint.layout import TRAINER
 from ..config import parse_duration
-from ..engine.loop.preemption import Budget, StopFlag
+from ..engine.loop.preemption import Budget, StopFlag, integration_limit_s
 from ..engine.state.determinism import version_difference
 from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME, NothingToResume
-from ..platforms import deadline_left_s, hosted
 from ..storage.base import run_of
 from . import hf_checkpoints as hf
 from .hf_drive import DriveLink
@@ -155,7 +154,7 @@ class ResumableCallback(TrainerCallback):
                  flush_timeout: str | float = "10m", cache_dir: str | None = None,
                  credentials: str | None = None) -> None:
         limit = _seconds(time_limit, "time_limit")
-        self.budget = Budget(_limit_s(limit))
+        self.budget = Budget(integration_limit_s(limit))
         self.drive = drive
         self.flush_timeout_s = _seconds(flush_timeout, "flush_timeout") or 0.0
         self._drive_options = {"cache_dir": cache_dir, "credentials": credentials}
@@ -359,13 +358,3 @@ def _barrier() -> None:
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def _limit_s(given: float | None) -> float | None:
-    """This session's budget: ``given`` (``time_limit``), else what is left of a Colab VM's or Kaggle session's life
-    less the margin; at most what a supervisor's deadline leaves (``resumable run --time-limit``:
-    $RESUMABLE_DEADLINE). None when none applies."""
-    session = hosted()
-    own = given if given is not None else session.left_s if session is not None else None
-    limits = [v for v in (own, deadline_left_s()) if v is not None]
-    return min(limits) if limits else None

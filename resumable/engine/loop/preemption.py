@@ -230,3 +230,13 @@ def _own_budget(options: RunOptions, durable_s: Callable[[int], float] | None) -
         log.info(f"{session.name} detected: stopping cleanly after {format_duration(session.left_s)} (before its "
                  f"{lifetime}); {change} to change it")
     return Budget(session.left_s, durable_s=durable_s)
+
+
+def integration_limit_s(given: float | None) -> float | None:
+    """The budget of an integration's session (the Trainer, Lightning and Accelerate callbacks): ``given`` (their
+    ``time_limit``), else what is left of a Colab VM's or Kaggle session's life less the margin; at most what a
+    supervisor's deadline leaves (``resumable run --time-limit``: $RESUMABLE_DEADLINE). None when none applies."""
+    session = platforms.hosted()
+    own = given if given is not None else session.left_s if session is not None else None
+    limits = [v for v in (own, platforms.deadline_left_s()) if v is not None]
+    return min(limits) if limits else None
