@@ -29,7 +29,7 @@ DURATION_MAX_S = 366 * 24 * 3600.0
 COMPUTATION_FIELDS = ("task", "batch_size", "seed", "lr", "lr_schedule", "amp")
 # Fields that belong to one invocation and are never inherited from a checkpoint.
 SESSION_FIELDS = ("run_dir", "cpu_fallback", "progress", "download", "time_limit", "cache_dir", "drive_credentials",
-                  "tensorboard", "wandb", "quiet")
+                  "tensorboard", "wandb", "mlflow", "trackio", "quiet")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ class RunOptions:
     quiet: bool = False  # only warnings, errors and the final summary (no progress bars, no info lines)
     tensorboard: bool = False
     wandb: str | None = None  # a W&B project: log the records there, one W&B run across sessions
+    mlflow: str | None = None  # an MLflow experiment: the same, one MLflow run across sessions
+    trackio: str | None = None  # a trackio project: the same, one trackio run across sessions
     store_frozen: bool = False  # store frozen tensors too (default: recorded by fingerprint, not written)
     shard_size: str = "256MB"  # the most tensor bytes per safetensors file of a checkpoint
     staging_memory: str | None = None  # host memory for asynchronous saves; None: half of the free memory
@@ -88,8 +90,11 @@ class RunOptions:
                  self.checkpoint_steps, "must be at least 1")
         _require(self.keep >= 1, "keep", self.keep, "must be at least 1 (the newest checkpoint is always kept)")
         _require(self.log_every >= 1, "log_every", self.log_every, "must be at least 1")
-        _require(self.wandb is None or (isinstance(self.wandb, str) and self.wandb.strip() != ""), "wandb",
-                 self.wandb, "must be a W&B project name")
+        for name, what in (("wandb", "a W&B project"), ("mlflow", "an MLflow experiment"),
+                           ("trackio", "a trackio project")):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, str) and value.strip() != ""), name, value,
+                     f"must be {what} name")
 
     @property
     def checkpoint_every_s(self) -> float | None:

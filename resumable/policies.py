@@ -166,15 +166,19 @@ class Session(_Policy):
 @dataclass(frozen=True)
 class Reporting(_Policy):
     """What a session prints and logs: a ``progress`` bar, ``quiet`` (warnings, errors and the summary only), a log
-    record every ``log_every`` steps, ``tensorboard`` event files, and ``wandb``: a W&B project (one W&B run across
-    sessions; the Run's ``tracker`` takes a W&B run object instead)."""
+    record every ``log_every`` steps, ``tensorboard`` event files, and the trackers, each ONE tracker run across
+    sessions: ``wandb``: a W&B project (the Run's ``tracker`` takes a W&B run object instead), ``mlflow``: an MLflow
+    experiment (store: ``MLFLOW_TRACKING_URI``, else ``RUN_DIR/mlruns``), ``trackio``: a trackio project (store:
+    ``TRACKIO_DIR``, else ``RUN_DIR/trackio``)."""
 
     progress: bool = True
     quiet: bool = False
     log_every: int = 10
     tensorboard: bool = False
     wandb: str | None = None
-    _OPTIONS = ("progress", "quiet", "log_every", "tensorboard", "wandb")
+    mlflow: str | None = None
+    trackio: str | None = None
+    _OPTIONS = ("progress", "quiet", "log_every", "tensorboard", "wandb", "mlflow", "trackio")
 
 
 @dataclass(frozen=True)

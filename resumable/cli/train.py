@@ -16,7 +16,8 @@ from .params import Duration, PositiveFinite, Size
 _CONFIG_OPTIONS = ("run_dir", "data_dir", "epochs", "max_steps", "batch_size", "lr", "seed", "device", "cpu_fallback",
                    "lr_schedule", "amp", "checkpoint_steps", "checkpoint_every", "mtbf", "time_limit",
                    "sync_checkpoints", "on_save_error",
-                   "keep", "keep_best", "log_every", "tensorboard", "wandb", "download", "progress", "cache_dir",
+                   "keep", "keep_best", "log_every", "tensorboard", "wandb", "mlflow", "trackio", "download",
+                   "progress", "cache_dir",
                    "drive_credentials", "drive_flush_timeout", "store_frozen", "shard_size", "staging_memory",
                    "hang_timeout", "quiet")
 
@@ -124,6 +125,13 @@ class _Program(click.Command):
 @click.option("--wandb", metavar="PROJECT", default=None,
               help="Also log the metrics to Weights & Biases project PROJECT: one W&B run across every session "
               "(pip install 'resumable[wandb]'; WANDB_MODE=offline works).")
+@click.option("--mlflow", metavar="EXPERIMENT", default=None,
+              help="Also log the metrics to MLflow experiment EXPERIMENT: one MLflow run across every session, each "
+              "step once (pip install 'resumable[mlflow]'; store: MLFLOW_TRACKING_URI, else the file store "
+              "RUN_DIR/mlruns).")
+@click.option("--trackio", metavar="PROJECT", default=None,
+              help="Also log the metrics to trackio project PROJECT: one trackio run across every session, each "
+              "step once (pip install 'resumable[trackio]'; store: TRACKIO_DIR, else RUN_DIR/trackio).")
 @click.option("--download/--no-download", default=TrainConfig.download, show_default=True,
               help="Download MNIST when the files are missing.")
 @click.option("--progress/--no-progress", default=TrainConfig.progress, show_default=True,

@@ -36,6 +36,7 @@ import torch
 from .. import log
 from ..checkpoint.retention import Best
 from ..checkpoint.writer import SaveStats
+from ..config import RunOptions
 from ..distributed import Distributed
 from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME
 from ..faults import Faults
@@ -51,6 +52,8 @@ from ..policies import (
     location_of,
     to_options,
 )
+from ..reporting.mlflow import require_mlflow
+from ..reporting.trackio import require_trackio
 from ..reporting.wandb import require_wandb
 from .data.more_sources import PREFIX, MoreBatches
 from .data.sources import IndexBatches
@@ -66,15 +69,28 @@ from .state.train_state import Stateful, TrainState, as_stateful, plain_module
 _BUILT_IN = ("model", "optimizer", "scheduler", "scaler", "sampler")
 
 
-def tracker_of(tracker: Any, project: str | None) -> Any:
-    """``tracker`` checked: None (W&B on when a ``wandb`` project is given), ``"wandb"`` or a W&B run object."""
-    if tracker is None and project is not None:
-        tracker = "wandb"
-    if tracker == "wandb":
-        require_wandb()  # exit 2 with the fix before anything starts
-    elif tracker is not None and not (callable(getattr(tracker, "log", None)) and hasattr(tracker, "id")):
-        raise ValueError(f"tracker={tracker!r} must be 'wandb' or a W&B run (wandb.init(...)); None for none")
-    return tracker
+_REQUIRE = {"wandb": require_wandb, "mlflow": require_mlflow, "trackio": require_trackio}
+
+
+def trackers_of(tracker: Any, options: RunOptions) -> dict[str, Any]:
+    """The trackers on: ``tracker`` ("wandb", "mlflow", "trackio" or a W&B run object) and those the Reporting
+    names (``wandb=``/``mlflow=``/``trackio=``), as {"wandb": "wandb" or the W&B run, "mlflow": ..., "trackio": ...};
+    each one's package checked before anything starts (exit 2 with the pip command)."""
+    on: dict[str, Any] = {name: name for name in _REQUIRE if getattr(options, name) is not None}
+    if isinstance(tracker, str) and tracker in _REQUIRE:
+        on[tracker] = tracker
+    elif tracker is not None:
+        if type(tracker).__module__.split(".")[0] in ("trackio", "mlflow"):
+            raise ValueError(f"tracker={tracker!r}: a trackio or MLflow run object is not taken (resumable opens and "
+                             f"resumes that run itself); pass tracker='trackio' or tracker='mlflow' instead")
+        if not (callable(getattr(tracker, "log", None)) and hasattr(tracker, "id")):
+            raise ValueError(f"tracker={tracker!r} must be 'wandb', 'mlflow', 'trackio' or a W&B run "
+                             f"(wandb.init(...)); None for none")
+        on["wandb"] = tracker
+    for name, value in on.items():
+        if value == name:
+            _REQUIRE[name]()
+    return on
 
 
 @dataclass(frozen=True)
@@ -106,7 +122,9 @@ class Run:
     is true; checkpoints are only taken between steps. ``config`` (JSON-able) is recorded and must match on resume.
     ``amp`` (none, bf16, fp16) is the autocast dtype the loop uses, recorded in each manifest as ``amp_dtype``.
     ``tracker="wandb"`` (or ``Reporting(wandb="project")``) logs the records to one Weights & Biases run across
-    sessions; a W&B run object is logged to as it is (reporting/wandb.py).
+    sessions; a W&B run object is logged to as it is (reporting/wandb.py). ``tracker="mlflow"`` or ``"trackio"``
+    (or ``Reporting(mlflow="experiment", trackio="project")``) do the same with MLflow and trackio, each step once
+    (reporting/mlflow.py, reporting/trackio.py).
 
     The policies (resumable/policies.py), each optional: ``run_dir`` is a path or a :class:`Location` (a Drive
     run dir's cache and credentials); ``loader=Loader(...)`` how a map-style dataset is loaded;
@@ -131,7 +149,7 @@ class Run:
         self.run_dir = location.path
         self.options = to_options(epochs, location, checkpointing or Checkpointing(), session,
                                   reporting or Reporting())
-        self._tracker = tracker_of(tracker, self.options.wandb)  # None, "wandb" or a W&B run object
+        self._trackers = trackers_of(tracker, self.options)  # {"wandb": "wandb" or a W&B run, "mlflow", "trackio"}
         self.model = model
         self.optimizer = optimizer
         self.dist = Distributed.current()  # torchrun: the user (or resumable-train) initialised the group

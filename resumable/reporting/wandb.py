@@ -30,44 +30,30 @@ warning; training and checkpoints go on.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 import secrets
 import string
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from .. import log
-from ..errors import ResumableError
-from .metrics import TIMING_FIELDS, read_records
+from .metrics import read_records
 from .reporters import Reporter
+from .tracking import guard, numbers, require, same, stored_name, values
 from .wandb_files import offline_history
 
 WANDB_ID = "wandb_run_id"  # the manifest key
-INSTALL = "pip install 'resumable[wandb]' (or pip install wandb)"
-_ID = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-_NOT_SENT = frozenset({"step"})  # the step is W&B's own _step
 
 
 def require_wandb() -> None:
     """Fail at once (exit 2 from the CLI) when W&B is asked for and not installed."""
-    try:
-        import wandb  # noqa: F401
-    except ImportError as e:
-        raise ResumableError(f"W&B tracking (--wandb / tracker='wandb') needs the wandb package: {INSTALL}") from e
+    require("wandb", "wandb", "W&B tracking (--wandb / tracker='wandb')")
 
 
 def stored_id(manifest: Mapping[str, Any] | None) -> str | None:
     """The W&B run id a checkpoint's manifest recorded, or None (absent, or not a plausible id)."""
-    value = (manifest or {}).get(WANDB_ID)
-    if value is None:
-        return None
-    if isinstance(value, str) and _ID.fullmatch(value):
-        return value
-    log.warning(f"the checkpoint's {WANDB_ID} {str(value)[:80]!r} is not a W&B run id; a new W&B run is started")
-    return None
+    return stored_name(manifest, WANDB_ID, "W&B")
 
 
 def choose_id(manifest: Mapping[str, Any] | None, tracker: Any) -> str | None:
@@ -85,29 +71,8 @@ def choose_id(manifest: Mapping[str, Any] | None, tracker: Any) -> str | None:
     return given
 
 
-@contextlib.contextmanager
-def _guard(what: str) -> Iterator[None]:
-    """Any W&B failure as an OSError: the Reporters fan-out warns once and training goes on."""
-    try:
-        yield
-    except (ResumableError, OSError):
-        raise
-    except Exception as e:  # noqa: BLE001 - wandb raises its own errors (CommError, UsageError...) and more
-        raise OSError(f"W&B {what} failed: {type(e).__name__}: {e}") from e
-
-
-def _values(row: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """What a W&B row and a record must agree on: the logged values, without W&B's own keys and timing fields."""
-    if row is None:
-        return None
-    return {k: v for k, v in row.items() if not k.startswith("_") and k not in _NOT_SENT and k not in TIMING_FIELDS}
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal values (NaN equal to NaN: a diverged loss logged in both); dicts key by key."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
+def _guard(what: str):  # noqa: ANN202 - a context manager
+    return guard("W&B", what)
 
 
 class WandbReporter(Reporter):
@@ -180,8 +145,7 @@ class WandbReporter(Reporter):
         step = record.get("step")
         if self._run is None or not isinstance(step, int):
             return
-        row = {k: v for k, v in record.items() if k not in _NOT_SENT and isinstance(v, (int, float))
-               and not isinstance(v, bool)}
+        row = numbers(record)
         self._compare(before=step)
         if self.held is not None and step <= self.held:
             if self._checking and step > self._start:  # trained again by this session: compared once complete
@@ -194,8 +158,8 @@ class WandbReporter(Reporter):
         """Compare W&B's rows with this session's for the re-trained steps before ``before`` (complete, since the
         records come in step order); the first difference is warned about, and comparing stops there."""
         for step in sorted(s for s in {*self._theirs, *self._mine} if s < before):
-            theirs, mine = _values(self._theirs.pop(step, None)), _values(self._mine.pop(step, None))
-            if not _same(theirs, mine):
+            theirs, mine = values(self._theirs.pop(step, None)), values(self._mine.pop(step, None))
+            if not same(theirs, mine):
                 self._checking = False
                 self._theirs.clear()
                 self._mine.clear()
@@ -208,7 +172,7 @@ class WandbReporter(Reporter):
         elif theirs is None:
             detail = "this session has a record there, W&B none"
         else:
-            key = next(k for k in sorted({*theirs, *mine}) if not _same(theirs.get(k), mine.get(k)))
+            key = next(k for k in sorted({*theirs, *mine}) if not same(theirs.get(k), mine.get(k)))
             detail = f"{key} {mine.get(key)} here, {theirs.get(key)} in W&B"
         run, start = self._run.id, self._start
         log.warning(f"W&B run {run} already has steps {step} to {self.held}, and this session trains them to other "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +26,6 @@ from ...errors import EXIT_RESUME, Hung, StopNow
 from ...reporting.history import SessionLog
 from ...reporting.metrics import METRICS, MetricsLog
 from ...reporting.reporters import Reporters
-from ...reporting.wandb import WANDB_ID, choose_id
 from ...storage.tiered import Mirror
 from ..data.more_sources import PREFIX
 from ..loop.evaluation import Evaluator
@@ -41,7 +41,7 @@ from ..state.keeper import StateKeeper
 from ..state.verify import TrainingWatch
 from . import fresh_start, identity, notebook, open_runs
 from .ending import close_mirror, confirm_committed, describe_error, error_detail, finish_save, summarise
-from .reports import reporters
+from .reports import reporters, started, tracker_ids
 from .resume import Expected, resume, start
 
 
@@ -194,11 +194,11 @@ class TrainingSession:
             self._mirror.submit(step)
 
     def _tracking(self, choice: Choice) -> dict[str, Any]:
-        """The W&B run id for the manifests (reporting/wandb.py): kept out of ``computation``, so it never
-        blocks a resume."""
+        """The tracker run ids for the manifests (engine/session/reports.py): never blocking a resume."""
         run = self.run
-        self._wandb_id = choose_id(choice.latest.manifest if choice.latest is not None else None, run._tracker)
-        return {WANDB_ID: self._wandb_id} if self._wandb_id is not None else {}
+        manifest = choice.latest.manifest if choice.latest is not None else None
+        self._tracker_ids = tracker_ids(manifest, run._trackers, Path(str(run.run_dir)))
+        return dict(self._tracker_ids)
 
     def _reporters(self, rundir: RunDir) -> Reporters:
         run = self.run
@@ -208,8 +208,8 @@ class TrainingSession:
         history = {"device": hardware.label(self.keeper.meta),
                    **({"amp_switch": run.amp_switch} if run.amp_switch else {}),
                    "code": self._identity[0], "config": self._identity[1]}
-        return reporters(run.options, rundir.local, run.dist.main, self._metrics, self.sessions, run._tracker,
-                         self._wandb_id, run.settings, history, note)
+        return reporters(run.options, rundir.local, run.dist.main, self._metrics, self.sessions, run._trackers,
+                         self._tracker_ids, run.settings, history, note)
 
     def _train(self, rundir: RunDir, choice: Choice) -> Iterator[tuple[int, int, Any]]:
         """Everything that modifies the run dir (rank 0 holds its lock)."""
@@ -257,6 +257,7 @@ class TrainingSession:
             if callable(getattr(run.sampler, "describe", None)):  # the user's own sampler: how it is resumed
                 log.info(run.sampler.describe())
             report.session_start(state.step, total, self.resumed_from)  # numbers the session: the watchdog's files
+            keeper.meta.update(started(report))  # a new MLflow run's id, in the manifests from the first save on
             optimizer = run.optimizer
             loop = Loop(keeper, run.sampler, plan, report, self._evaluator(),
                         lambda: optimizer.param_groups[0]["lr"], run.device, triggers=save_triggers(run.options),
