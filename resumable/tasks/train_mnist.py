@@ -1,6 +1,6 @@
 """``resumable-train``: reconcile the command line with the checkpoint, build the MNIST task, and train it
 through the same :class:`~resumable.engine.run.Run` engine users get for their own models. The engine's tool entry
-(engine/run.py ``train_task``) opens the run dir, chooses the checkpoint and asks :class:`MnistTraining` to build
+(engine/tool_entry.py ``train_task``) opens the run dir, chooses the checkpoint and asks :class:`MnistTraining` to build
 the Run for it."""
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from .. import log, platforms
 from ..config import COMPUTATION_FIELDS, SESSION_FIELDS, TrainConfig
 from ..distributed import Distributed
 from ..engine.data.sources import IndexBatches
-from ..engine.run import Opening, Run, TaskResult, ToolHooks, train_task
+from ..engine.run import Opening, Run, ToolHooks
 from ..engine.rundir.run_dir import Choice
 from ..engine.session import identity
 from ..engine.state import hardware, preflight
 from ..engine.state.train_state import seed_everything
+from ..engine.tool_entry import TaskResult, train_task
 from ..errors import ConfigMismatch, ResumableError
 from ..policies import Location, from_options
 from . import mnist
