@@ -3,7 +3,7 @@ epoch), 40 steps (2.5 epochs), CPU, one thread, a checkpoint every 5 steps. Noth
 
     python tests/lightning_train.py DIRPATH [--max-steps 40] [--every 5] [--keep 2] [--time-limit 2s]
                                     [--plain] [--step-sleep S] [--kill-at-step N] [--kill-in-save-at-step N]
-                                    [--result FILE]
+                                    [--result FILE] [--drive URL]
 
 Resumes from ``callback.latest_valid()`` and exits with ``callback.exit_code``. ``--plain``: a plain shuffled
 ``DataLoader`` instead of torchdata's ``StatefulDataLoader``. ``--kill-at-step``/``--kill-in-save-at-step``:
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-at-step", type=int, default=None)
     parser.add_argument("--kill-in-save-at-step", type=int, default=None)
     parser.add_argument("--result", default=None)
+    parser.add_argument("--drive", default=None)
     options = parser.parse_args(argv)
     torch.set_num_threads(1)  # CPU float reductions depend on the thread count: the same in every run
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     L.seed_everything(0, verbose=False)
     model = Tiny(options.step_sleep)
     callback = ResumableCallback(options.dirpath, every_n_steps=options.every, keep=options.keep,
-                                 time_limit=options.time_limit)
+                                 time_limit=options.time_limit, drive=options.drive, flush_timeout="60s")
     trainer = L.Trainer(max_steps=options.max_steps, callbacks=[callback], plugins=[callback.checkpoint_io],
                         accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False)

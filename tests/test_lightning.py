@@ -133,6 +133,38 @@ def test_the_time_budget_stops_with_75_and_a_committed_checkpoint(reference: dic
     assert_same_as(reference, tmp_path / "result.json")
 
 
+def test_a_fresh_vm_restores_from_drive_and_finishes(reference: dict, tmp_path: Path) -> None:
+    from fakedrive import FakeDrive
+    from test_drive import drive_env, store
+
+    from resumable.storage.tiered import durable_steps
+
+    with FakeDrive() as fake:
+        url, out = "gdrive://root/runs/light", tmp_path / "ckpt"
+        remote = store(fake, path="runs/light")
+        proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out), "--step-sleep", "0.05", "--drive", url],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(**drive_env(fake)),
+                                stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while not any(step >= 15 for step in durable_steps(remote, tmp_path)):
+            assert proc.poll() is None and time.monotonic() < deadline, "step 15 never reached Drive"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+        on_drive = durable_steps(remote, tmp_path)
+        assert on_drive and max(on_drive) < 40
+        shutil.rmtree(out)  # a fresh VM: nothing local survives
+        done = subprocess.run([sys.executable, str(SCRIPT), str(out), "--drive", url, "--result",
+                               str(tmp_path / "result.json")], capture_output=True, text=True, timeout=300,
+                              env=env(**drive_env(fake)), stdin=subprocess.DEVNULL)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"RESUME-FROM {out}/step-{max(on_drive):09d}/{lio.FILE}" in done.stdout
+        assert durable_steps(remote, tmp_path) == [35, 40], "Drive keeps what local retention keeps"
+        assert not fake.server_errors, fake.server_errors
+    # the metrics before the restored step were logged on the lost VM: compare the final weights
+    assert json.loads((tmp_path / "result.json").read_text())["fingerprint"] == reference["fingerprint"]
+
+
 # In the soak set (about 40 s on 2 busy cores: five runs): what docs/lightning.md says of a plain DataLoader.
 @pytest.mark.soak
 def test_a_plain_dataloader_resumes_exactly_from_an_epoch_end_only(tmp_path: Path) -> None:
