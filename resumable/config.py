@@ -291,6 +291,17 @@ def parse_size(text: str | int) -> int:
     return int(value)
 
 
+def seconds_of(value: str | float | None, name: str) -> float | None:
+    """An integration's ``name`` argument in seconds: a number or a duration text ("90s", "5m", "1h30m"); None stays
+    None. ValueError naming ``name`` for anything not positive."""
+    if value is None:
+        return None
+    seconds = parse_duration(value) if isinstance(value, str) else float(value)
+    if not seconds > 0:
+        raise ValueError(f"{name}={value!r} must be a positive number of seconds or a duration like '2h'")
+    return seconds
+
+
 def parse_duration(text: str) -> float:
     """Seconds in a duration such as ``"90s"``, ``"5m"``, ``"1h30m"``, ``"2h"`` or a bare number of seconds.
 

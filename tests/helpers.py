@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -163,3 +164,14 @@ def policies(run_dir: Any = None, **flat: Any) -> dict[str, Any]:
         if given:
             out[keyword] = record(**given)
     return {**flat, **out}  # the rest (epochs, tracker, objects...) as they are
+
+
+def wait_for(proc: subprocess.Popen, ready: Any, what: str, timeout: float = 240) -> None:
+    """Poll ``ready()`` while ``proc`` runs; fail (with its stderr) if it ends first or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            _, err = proc.communicate()
+            pytest.fail(f"the run ended (or took too long) before {what}:\n{err[-3000:]}")
+        time.sleep(0.02)

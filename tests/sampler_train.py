@@ -16,9 +16,8 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from helpers import policies
-from stream_train import SAMPLES, MapStyle, Model, pad
+from stream_train import SAMPLES, MapStyle, Model, pad, train
 from torch.utils.data import Sampler, WeightedRandomSampler
 
 import resumable
@@ -119,14 +118,7 @@ def main(argv: list[str]) -> int:
                         epochs=2, **policies(checkpoint_steps=3, log_every=1, max_steps=max_steps, progress=False,
                                              sync_checkpoints=True, num_workers=workers, collate_fn=pad,
                                              loader_options=options, **order(kind)))
-    for _epoch, _step, batch in run:
-        loss = F.cross_entropy(model(batch["x"], batch["mask"]), batch["y"])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        run.log(loss)
-    return run.exit_code
+    return train(run, model, optimizer, scheduler)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -129,6 +130,11 @@ def main(argv: list[str]) -> int:
     run = resumable.Run(run_dir, model=model, optimizer=optimizer, scheduler=scheduler, data=data, batch_size=8,
                         epochs=2, **policies(checkpoint_steps=3, log_every=1, max_steps=max_steps, progress=False,
                                              sync_checkpoints=True, **options))  # synchronous: a kill's step is exact
+    return train(run, model, optimizer, scheduler)
+
+
+def train(run: resumable.Run, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> int:
+    """The loop of this script and tests/sampler_train.py: one optimizer and scheduler step per padded batch."""
     for _epoch, _step, batch in run:
         loss = F.cross_entropy(model(batch["x"], batch["mask"]), batch["y"])
         optimizer.zero_grad()

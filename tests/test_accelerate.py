@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import env
+from helpers import env, wait_for
 
 pytest.importorskip("accelerate")
 
@@ -43,16 +43,6 @@ def train(run_dir: Path, *args: str, faults: Faults | None = None, **extra_env: 
 def start(run_dir: Path, *args: str, **extra_env: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(SCRIPT), str(run_dir), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env(**extra_env), stdin=subprocess.DEVNULL)
-
-
-def wait_for(proc: subprocess.Popen, ready, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + 120
-    while not ready():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            _, err = proc.communicate()
-            pytest.fail(f"the run ended (or took too long) before {what}:\n{err[-3000:]}")
-        time.sleep(0.02)
 
 
 def committed(run_dir: Path) -> list[int]:

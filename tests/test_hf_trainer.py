@@ -14,12 +14,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import env
+from helpers import env, wait_for
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -44,16 +43,6 @@ def train(output_dir: Path, *args: str, **extra_env: str) -> subprocess.Complete
 def start(output_dir: Path, *args: str, **extra_env: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(SCRIPT), str(output_dir), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env(**extra_env), stdin=subprocess.DEVNULL)
-
-
-def wait_for(proc: subprocess.Popen, ready, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + 240
-    while not ready():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            _, err = proc.communicate()
-            pytest.fail(f"the run ended (or took too long) before {what}:\n{err[-3000:]}")
-        time.sleep(0.02)
 
 
 def committed(output_dir: Path) -> list[int]:

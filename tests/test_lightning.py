@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import env
+from helpers import env, wait_for
 
 pytest.importorskip("lightning")
 pytest.importorskip("torchdata")
@@ -145,10 +145,7 @@ def test_a_fresh_vm_restores_from_drive_and_finishes(reference: dict, tmp_path: 
         proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out), "--step-sleep", "0.05", "--drive", url],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(**drive_env(fake)),
                                 stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while not any(step >= 15 for step in durable_steps(remote, tmp_path)):
-            assert proc.poll() is None and time.monotonic() < deadline, "step 15 never reached Drive"
-            time.sleep(0.05)
+        wait_for(proc, lambda: any(step >= 15 for step in durable_steps(remote, tmp_path)), "step 15 was on Drive")
         proc.send_signal(signal.SIGKILL)
         proc.communicate()
         on_drive = durable_steps(remote, tmp_path)
@@ -182,3 +179,13 @@ def test_a_plain_dataloader_resumes_exactly_from_an_epoch_end_only(tmp_path: Pat
     assert "your dataloader is not resumable" in done.stderr
     got = json.loads((tmp_path / "mid.json").read_text())
     assert got["metrics"][:10] == reference["metrics"][:10] and got["metrics"][10] != reference["metrics"][10]
+
+
+def test_a_step_folders_checkpoint_is_loaded_weights_only(tmp_path: Path) -> None:
+    class Recording:
+        def load_checkpoint(self, path, map_location=None, weights_only=None):  # noqa: ANN001, ANN201
+            return {"weights_only": weights_only}
+
+    io = lio.CommitCheckpointIO(tmp_path, wrapped=Recording())
+    assert io.load_checkpoint(lio.checkpoint_file(tmp_path, 5))["weights_only"] is True  # never arbitrary pickles
+    assert io.load_checkpoint(tmp_path / "elsewhere.ckpt")["weights_only"] is None  # not ours: as Lightning asks

@@ -46,7 +46,7 @@ import torch
 from .. import log
 from ..checkpoint import CheckpointInfo, CheckpointManager
 from ..checkpoint.layout import ACCELERATE
-from ..config import parse_duration
+from ..config import seconds_of
 from ..engine.loop.preemption import Budget, StopFlag, integration_limit_s
 from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME, NothingToResume, ResumeNotApplied
 from ..faults import Faults, installed
@@ -90,15 +90,6 @@ def checkpoints(run_dir: str | os.PathLike[str], faults: Faults | None = None) -
                              faults=faults if faults is not None else installed())
 
 
-def _seconds(value: str | float | None, name: str) -> float | None:
-    if value is None:
-        return None
-    seconds = parse_duration(value) if isinstance(value, str) else float(value)
-    if not seconds > 0:
-        raise ValueError(f"{name}={value!r} must be a positive number of seconds or a duration like '2h'")
-    return seconds
-
-
 class ResumableState:
     """Commits, prunes, chooses and checks an Accelerator's checkpoints; stops in time (module docstring).
 
@@ -124,9 +115,9 @@ class ResumableState:
         self.store = checkpoints(self.run_dir, faults)
         self.save_every = save_every
         self.keep = keep if keep is not None else accelerator.project_configuration.total_limit
-        limit = _seconds(time_limit, "time_limit")
+        limit = seconds_of(time_limit, "time_limit")
         self.budget = Budget(integration_limit_s(limit))
-        self.flush_timeout_s = _seconds(flush_timeout, "flush_timeout") or 0.0
+        self.flush_timeout_s = seconds_of(flush_timeout, "flush_timeout") or 0.0
         self.link = (DriveLink(self.run_dir, drive, cache_dir, credentials, checkpoints=self.store)
                      if drive is not None else None)
         self.run_id: str | None = None

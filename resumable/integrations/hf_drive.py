@@ -16,10 +16,10 @@ from pathlib import Path
 
 from .. import log
 from ..checkpoint import CheckpointManager
-from ..checkpoint.layout import TRAINER
 from ..storage import open_run_location
 from ..storage.restore import restore_newest
 from ..storage.tiered import Mirror
+from . import hf_checkpoints as hf
 
 CACHE = ".resumable"  # in OUTPUT_DIR; the Trainer only looks at checkpoint-* entries
 
@@ -44,8 +44,7 @@ class DriveLink:
             raise ValueError(f"drive={drive!r} is neither a gdrive:// URL nor a folder on a mounted Google Drive "
                              f"(/content/drive/...); give one of them, or leave drive out to keep checkpoints local")
         self.remote = location.remote
-        self.checkpoints = (checkpoints if checkpoints is not None
-                            else CheckpointManager(self.output_dir, layout=TRAINER))
+        self.checkpoints = checkpoints if checkpoints is not None else hf.checkpoints(self.output_dir)
         self.mirror: Mirror | None = None
 
     def restore(self) -> int | None:

@@ -39,7 +39,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from .. import log
 from ..checkpoint import CheckpointManager
 from ..checkpoint.layout import STEPS
-from ..config import parse_duration
+from ..config import seconds_of
 from ..engine.loop.preemption import Budget, StopFlag, integration_limit_s
 from ..engine.state.train_state import capture_rng, restore_rng
 from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME
@@ -53,15 +53,6 @@ __all__ = ["CommitCheckpointIO", "ResumableCallback", "latest_valid"]
 
 CommitCheckpointIO = lio.CommitCheckpointIO
 latest_valid = lio.latest_valid
-
-
-def _seconds(value: str | float | None, name: str) -> float | None:
-    if value is None:
-        return None
-    seconds = parse_duration(value) if isinstance(value, str) else float(value)
-    if not seconds > 0:
-        raise ValueError(f"{name}={value!r} must be a positive number of seconds or a duration like '2h'")
-    return seconds
 
 
 class ResumableCallback(Checkpoint):
@@ -87,12 +78,12 @@ class ResumableCallback(Checkpoint):
             raise ValueError(f"keep={keep!r} must be at least 1 (the checkpoint resumed from is always kept)")
         self.dirpath = Path(dirpath)
         self.every_n_steps, self.keep = every_n_steps, keep
-        limit = _seconds(time_limit, "time_limit")
+        limit = seconds_of(time_limit, "time_limit")
         self.budget = Budget(integration_limit_s(limit))
         self.faults = faults or installed()
         self.checkpoint_io = CommitCheckpointIO(self.dirpath, faults=self.faults)
         self.metrics = MetricsLog(self.dirpath / metrics) if metrics else None
-        self.drive, self.flush_timeout_s = drive, _seconds(flush_timeout, "flush_timeout") or 0.0
+        self.drive, self.flush_timeout_s = drive, seconds_of(flush_timeout, "flush_timeout") or 0.0
         self._drive_options = {"cache_dir": cache_dir, "credentials": credentials}
         self.stopped_early: str | None = None
         self.exit_code = 0
@@ -198,6 +189,8 @@ class ResumableCallback(Checkpoint):
         if self.metrics is not None:
             self.metrics.sync()  # the records up to this step are on disk before the checkpoint vouches for them
         self._mid_epoch = mid_epoch
+        # weights_only=False here is Lightning's "the whole training state, not only the weights"; the file is loaded
+        # back with torch.load(weights_only=True) (lightning_io.CommitCheckpointIO.load_checkpoint)
         trainer.save_checkpoint(lio.checkpoint_file(self.dirpath, step), weights_only=False)
         self._saved_at, self._save_s = step, time.monotonic() - began
         if trainer.is_global_zero:

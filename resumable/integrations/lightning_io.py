@@ -96,6 +96,11 @@ class CommitCheckpointIO(CheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None
                         ) -> dict[str, Any]:
+        """A step folder's checkpoint is always loaded with ``weights_only=True``: tensors and plain containers, never
+        arbitrary pickled objects (Lightning passes None, which older torch reads as False). Other paths load as
+        Lightning asks."""
+        if self.step_of(path) is not None:
+            weights_only = True
         return self.wrapped.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path: Any) -> None:

@@ -47,7 +47,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from .. import log
 from ..checkpoint.layout import TRAINER
-from ..config import parse_duration
+from ..config import seconds_of
 from ..engine.loop.preemption import Budget, StopFlag, integration_limit_s
 from ..engine.state.determinism import version_difference
 from ..errors import EXIT_NOT_DURABLE, EXIT_RESUME, NothingToResume
@@ -56,16 +56,6 @@ from . import hf_checkpoints as hf
 from .hf_drive import DriveLink
 
 __all__ = ["ResumableCallback", "finished_at", "latest_valid", "load_finished", "restore"]
-
-
-def _seconds(value: str | float | None, name: str) -> float | None:
-    """Seconds from a number or a duration text ("90s", "5m", "1h30m"); None stays None."""
-    if value is None:
-        return None
-    seconds = parse_duration(value) if isinstance(value, str) else float(value)
-    if not seconds > 0:
-        raise ValueError(f"{name}={value!r} must be a positive number of seconds or a duration like '2h'")
-    return seconds
 
 
 def restore(output_dir: str | os.PathLike[str], drive: str, cache_dir: str | None = None,
@@ -153,10 +143,10 @@ class ResumableCallback(TrainerCallback):
     def __init__(self, time_limit: str | float | None = None, drive: str | None = None, *,
                  flush_timeout: str | float = "10m", cache_dir: str | None = None,
                  credentials: str | None = None) -> None:
-        limit = _seconds(time_limit, "time_limit")
+        limit = seconds_of(time_limit, "time_limit")
         self.budget = Budget(integration_limit_s(limit))
         self.drive = drive
-        self.flush_timeout_s = _seconds(flush_timeout, "flush_timeout") or 0.0
+        self.flush_timeout_s = seconds_of(flush_timeout, "flush_timeout") or 0.0
         self._drive_options = {"cache_dir": cache_dir, "credentials": credentials}
         self.stopped_early: str | None = None
         self.exit_code = 0

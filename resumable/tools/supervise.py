@@ -267,7 +267,6 @@ class Supervisor:
                           f"newest committed checkpoint is intact, run again to continue)")
                 return EXIT_RESUME
 
-
     def _wait(self, seconds: float) -> bool:
         """Sleep ``seconds`` (the backoff); True as soon as a stop signal arrives."""
         end = time.monotonic() + seconds
