@@ -1,11 +1,18 @@
-"""Throughput of the seed guide's own MNIST loop vs resumable's training path, in one process.
+"""Throughput of the seed guide's own MNIST loop vs resumable's training path, in one process and as whole processes.
 
-    python scripts/bench_throughput.py ../shared/data/mnist-mini --epochs 1 --repeats 3
+    python scripts/bench_throughput.py ../shared/data/mnist-mini --epochs 3 --repeats 3
+    python scripts/bench_throughput.py ../shared/data/mnist-mini --process --epochs 2 --repeats 3
 
 (a) the guide as written: torchvision MNIST + ToTensor/Normalize, DataLoader(batch 128, shuffle,
     num_workers=2), Adam, test after each epoch;
-(b) ``resumable-train``'s path (runner.train: device-resident tensors, checkpoint at each epoch end).
-Both are timed end to end (data loading, training, per-epoch test) and report training samples/s.
+(b) ``resumable-train``'s path (runner.train: device-resident tensors, checkpoint at each epoch end);
+(c) the compute floor: the same model's forward, backward and Adam step on batches already in memory (the layout
+    resumable-train uses), nothing else: no data loading, no test, no checkpoint. No training path of this model
+    can be faster than (c) without changing its arithmetic, so (c)/(a) bounds what (b)/(a) can reach here.
+All are timed end to end and report training samples/s, alternated --repeats times (medians).
+
+``--process``: each of (a) and (b) as a whole ``python`` process (start-up, training, test, exit), alternating pairs;
+prints the wall-time ratio guide / resumable-train.
 """
 
 from __future__ import annotations
@@ -71,6 +78,66 @@ def resumable_path(data_dir: str, epochs: int, seed: int, device: str) -> tuple[
     return seconds, acc, epochs * len(datasets.MNIST(data_dir, train=True, download=False))
 
 
+def compute_floor(data_dir: str, epochs: int, seed: int, device: str) -> tuple[float, float, int]:
+    """Forward, backward and Adam on device-resident batches of the training set, in a fixed shuffled order."""
+    from resumable.tasks.mnist import load_mnist, loss_fn
+
+    train = load_mnist(data_dir, torch.device(device), download=False).train
+    torch.manual_seed(seed)
+    model = Net().to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    order = torch.randperm(len(train))
+    batches = [order[i:i + 128] for i in range(0, len(order), 128)]
+    start = time.perf_counter()
+    for _ in range(epochs):
+        for indices in batches:
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model(train.images[indices]), train.labels[indices]).backward()
+            optimizer.step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, float("nan"), epochs * len(train)
+
+
+GUIDE_SCRIPT = """
+import sys, time
+sys.path.insert(0, {scripts!r})
+from bench_throughput import guide_loop
+seconds, acc, samples = guide_loop(sys.argv[1], int(sys.argv[2]), 1, sys.argv[3])
+print(f"guide: {{samples / seconds:.0f}} samples/s in its loop, test_acc {{acc:.4f}}")
+"""
+
+
+def whole_processes(args: argparse.Namespace) -> None:
+    """Each path as a whole process, alternating: wall time from start to exit, the ratio guide / resumable-train."""
+    import subprocess
+    import sys
+
+    walls: dict[str, list[float]] = {"guide": [], "resumable-train": []}
+    with tempfile.TemporaryDirectory() as work:
+        script = Path(work) / "guide.py"
+        script.write_text(GUIDE_SCRIPT.format(scripts=str(Path(__file__).resolve().parent)))
+        commands = {
+            "guide": [sys.executable, str(script), args.data_dir, str(args.epochs), args.device],
+            "resumable-train": [str(Path(sys.executable).parent / "resumable-train"), "--data-dir", args.data_dir,
+                                "--epochs", str(args.epochs), "--no-progress", "--no-download", "--device",
+                                args.device],
+        }
+        for repeat in range(args.repeats):
+            for name, command in commands.items():
+                if name == "resumable-train":  # a fresh run each time
+                    command = [*command, "--run-dir", str(Path(work) / f"run{repeat}")]
+                start = time.perf_counter()
+                done = subprocess.run(command, capture_output=True, text=True, cwd=work)
+                walls[name].append(time.perf_counter() - start)
+                if done.returncode != 0:
+                    raise SystemExit(f"{name} failed ({done.returncode}):\n{done.stdout[-1500:]}{done.stderr[-1500:]}")
+                print(f"  repeat {repeat + 1}: {name:<16} {walls[name][-1]:6.2f} s")
+    guide, ours = statistics.median(walls["guide"]), statistics.median(walls["resumable-train"])
+    print(f"median wall time of a whole {args.epochs}-epoch process: guide {guide:.2f} s, resumable-train "
+          f"{ours:.2f} s; ratio guide/resumable-train {guide / ours:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("data_dir")
@@ -78,20 +145,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--process", action="store_true", help="time whole processes instead (see above)")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads, epochs={args.epochs}")
-    rates: dict[str, list[float]] = {"guide": [], "resumable": []}
-    accs: dict[str, list[float]] = {"guide": [], "resumable": []}
+    if args.process:
+        whole_processes(args)
+        return
+    paths = (("guide", guide_loop), ("resumable", resumable_path), ("floor", compute_floor))
+    rates: dict[str, list[float]] = {name: [] for name, _ in paths}
+    accs: dict[str, list[float]] = {name: [] for name, _ in paths}
     for repeat in range(args.repeats):
-        for name, fn in (("guide", guide_loop), ("resumable", resumable_path)):
+        for name, fn in paths:
             # A different seed per repeat, the same for both paths: accuracy medians then compare the
             # methods rather than one lucky draw of dropout masks and data order.
             seconds, acc, samples = fn(args.data_dir, args.epochs, args.seed + repeat, args.device)
             rates[name].append(samples / seconds)
             accs[name].append(acc)
             print(f"  repeat {repeat + 1}: {name:<10} {samples / seconds:8.0f} samples/s  test_acc {acc:.4f}")
-    guide, ours = statistics.median(rates["guide"]), statistics.median(rates["resumable"])
-    print(f"median samples/s: guide {guide:.0f}, resumable {ours:.0f}; ratio {ours / guide:.2f}x")
+    guide, ours, floor = (statistics.median(rates[name]) for name in ("guide", "resumable", "floor"))
+    print(f"median samples/s: guide {guide:.0f}, resumable {ours:.0f}, compute floor {floor:.0f}; "
+          f"resumable/guide {ours / guide:.2f}x, floor/guide {floor / guide:.2f}x, resumable/floor {ours / floor:.2f}")
     print(f"median test_acc: guide {statistics.median(accs['guide']):.4f}, "
           f"resumable {statistics.median(accs['resumable']):.4f}")
 
