@@ -28,7 +28,7 @@ import torch
 from ..faults import NO_FAULTS, Faults
 from . import digests as fpr
 from . import format as fmt
-from . import paths, shardfile
+from . import paths, shardfile, treehash
 from .shardfile import Item
 from .staging import Staging, aligned
 from .state_format import Deadline, Previous, Written, check_structure, load_timeout_from_env
@@ -155,7 +155,7 @@ class ShardedFormat:
             if not shardfile.shardable(leaf):  # a dtype or layout safetensors has no code for: in meta.pt
                 copy = leaf.detach().to("cpu", copy=True)
                 if covered:
-                    pending.lines.append(fpr.line(path, copy, fpr.tensor_digest(copy)))
+                    pending.lines.append(fpr.line(path, copy, fpr.tree_digest(copy)))
                 return copy
             stored, stride = shardfile.stored_form(leaf)
             name = path_text(path) or "/"
@@ -197,27 +197,31 @@ class ShardedFormat:
         items = shardfile.ordered(shard.items)
         final = pending.directory / shard.name
         previous = pending.previous.get(shard.name)
-        comparable = previous is not None and previous.size == shardfile.file_size(items)
+        size = shardfile.file_size(items)
+        comparable = previous is not None and previous.size == size and fmt.tree_entry(previous.entry)
         if comparable and self._unchanged_before.get(shard.name, True):
-            sha, size, singles = shardfile.digest(items)
+            sha, singles = shardfile.digest(items)
             if sha == previous.sha256 and _link(previous, final, self.share_limit):
                 pending.result.linked += size
             else:
                 _write(final, items, hashed=False)
                 pending.result.written += size
         else:
-            sha, size, singles = _write(final, items, hashed=True)
+            sha, singles = _write(final, items)
             pending.result.written += size
         if comparable:
             self._unchanged_before[shard.name] = sha == previous.sha256
-        pending.result.files[shard.name] = {"size": size, "sha256": sha}
-        for name, digest in singles.items():
-            path, tensor = pending.paths_of[name]
-            pending.lines.append(fpr.line(path, tensor, digest))
+        pending.result.files[shard.name] = {"size": size, "sha256": sha, fmt.DIGEST: treehash.KIND}
+        for item in items:
+            if item.digest:  # covered by the training-state fingerprint
+                path, tensor = pending.paths_of[item.name]
+                pending.lines.append(fpr.line(path, tensor, singles[item.name]))
         self.faults.between_shards()
 
     # -- reading -------------------------------------------------------------------------------------
-    def read(self, directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    def read(self, directory: Path, manifest: dict[str, Any],
+             located: dict[tuple[Any, ...], tuple[str, str]] | None = None) -> dict[str, Any]:
+        """The state; ``located`` (when given) receives where each tensor came from: path -> (shard, key)."""
         deadline = Deadline(self.load_timeout_s, directory)
         meta = fmt.load_payload(directory / META)
         deadline.check(META, "in torch.load")
@@ -251,6 +255,8 @@ class ShardedFormat:
                     found[tuple(path)] = _rebuild(tensors[key], shape, stride)
                 except (TypeError, ValueError) as e:
                     raise fmt.InvalidCheckpoint(f"{META}: the entry of {key!r} is malformed ({e})") from None
+                if located is not None:
+                    located[tuple(path)] = (name, key)
         return _fill(meta.get("tree"), found)
 
 
@@ -285,18 +291,16 @@ def _fill(tree: Any, found: dict[tuple[Any, ...], torch.Tensor]) -> dict[str, An
     return state
 
 
-def _write(final: Path, items: list[Item], hashed: bool) -> tuple[str, int, dict[str, str]]:
-    """Write a shard atomically (temp file, fsync, rename); with ``hashed``, hash it on the way."""
+def _write(final: Path, items: list[Item], hashed: bool = True) -> tuple[str, dict[str, str]]:
+    """Write a shard atomically (temp file, fsync, rename); with ``hashed``, its tree digest and its tensors'
+    digests, hashed from the bytes on their way to the file."""
     tmp = fmt.tmp_path(final)
     with fmt.create_new(tmp, "wb") as handle:
-        target = fmt.HashingWriter(handle) if hashed else handle
-        singles = shardfile.write(target, items, digests=hashed)
+        found = shardfile.write(handle, items, hashed=hashed)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, final)
-    if not hashed:
-        return "", 0, {}
-    return target.sha256.hexdigest(), target.size, singles
+    return found if found is not None else ("", {})
 
 
 def _link(previous: Previous, final: Path, share_limit: int | None = None) -> bool:
@@ -308,7 +312,7 @@ def _link(previous: Previous, final: Path, share_limit: int | None = None) -> bo
         found = paths.regular_stat(previous.path)
         if found.st_size != previous.size or (share_limit is not None and found.st_nlink >= share_limit):
             return False
-        if fmt.sha256_file(previous.path) != previous.sha256:
+        if fmt.file_digest(previous.path, previous.entry) != previous.sha256:
             return False
         tmp = fmt.tmp_path(final)
         tmp.unlink(missing_ok=True)
