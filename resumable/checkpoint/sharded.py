@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,20 +67,28 @@ class Pending:
     result: Written
     lines: list[tuple[str, str]] = field(default_factory=list)
     paths_of: dict[str, Any] = field(default_factory=dict)  # item name -> structural path
+    syncs: list[Future[None]] = field(default_factory=list)  # the shards' fsync and rename (_write)
 
     def finish(self) -> Written:
-        """Write the staged shards and ``meta.pt``; returns the files for the manifest."""
+        """Write the staged shards and ``meta.pt``; returns the files for the manifest once every file is durable."""
         try:
             meta = fmt.loadable_bytes(self.meta)  # first: a state that could never load is not written at all
             for shard in self.queued:
                 self.format.emit(self, shard)
             self.result.files[META] = fmt.write_bytes_atomic(self.directory, meta, META)
             self.result.written += self.result.files[META]["size"]
+            for synced in self.syncs:
+                synced.result()  # raises the first fsync or rename that failed
         finally:
+            self.settle()
             if self.staging is not None:
                 self.staging.release_all()
         self.result.fingerprint = fpr.combine(self.lines)
         return self.result
+
+    def settle(self) -> None:
+        """Wait for every shard's fsync and rename (their errors are raised by :meth:`finish`)."""
+        wait(self.syncs)
 
 
 class ShardedFormat:
@@ -136,6 +145,7 @@ class ShardedFormat:
             for device in sorted(devices, key=str):  # the asynchronous copies are complete when save() returns
                 torch.cuda.synchronize(device)
         except BaseException:
+            pending.settle()  # nothing renames a file into the folder after a failed save has been reported
             if staging is not None:
                 staging.release_all()
             raise
@@ -204,10 +214,11 @@ class ShardedFormat:
             if sha == previous.sha256 and _link(previous, final, self.share_limit):
                 pending.result.linked += size
             else:
-                _write(final, items, hashed=False)
+                pending.syncs.append(_write(final, items, hashed=False)[2])
                 pending.result.written += size
         else:
-            sha, singles = _write(final, items)
+            sha, singles, synced = _write(final, items)
+            pending.syncs.append(synced)
             pending.result.written += size
         if comparable:
             self._unchanged_before[shard.name] = sha == previous.sha256
@@ -291,16 +302,40 @@ def _fill(tree: Any, found: dict[tuple[Any, ...], torch.Tensor]) -> dict[str, An
     return state
 
 
-def _write(final: Path, items: list[Item], hashed: bool = True) -> tuple[str, dict[str, str]]:
+_syncer: ThreadPoolExecutor | None = None
+
+
+def _write(final: Path, items: list[Item], hashed: bool = True) -> tuple[str, dict[str, str], Future[None]]:
     """Write a shard atomically (temp file, fsync, rename); with ``hashed``, its tree digest and its tensors'
-    digests, hashed from the bytes on their way to the file."""
+    digests, hashed from the bytes on their way to the file. Returns once every byte is written and hashed (no
+    tensor is read after); the fsync and rename go on on another thread (the future), so the disk's flush of one
+    shard overlaps the hashing of its last pieces and the writing of the next shard."""
+    global _syncer
     tmp = fmt.tmp_path(final)
-    with fmt.create_new(tmp, "wb") as handle:
+    handle = fmt.create_new(tmp, "wb")
+    try:
         found = shardfile.write(handle, items, hashed=hashed)
         handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, final)
-    return found if found is not None else ("", {})
+    except BaseException:
+        handle.close()
+        raise
+
+    def settle() -> None:
+        try:
+            os.fsync(handle.fileno())
+        finally:
+            handle.close()
+        os.replace(tmp, final)
+
+    if _syncer is None:
+        _syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resumable-fsync")
+    synced = _syncer.submit(settle)
+    try:
+        sha, singles = found() if found is not None else ("", {})
+    except BaseException:
+        wait([synced])
+        raise
+    return sha, singles, synced
 
 
 def _link(previous: Previous, final: Path, share_limit: int | None = None) -> bool:

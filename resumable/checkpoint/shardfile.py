@@ -24,7 +24,7 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,9 +126,13 @@ def file_size(items: list[Item]) -> int:
     return len(header(items)) + sum(item.size for item in items)
 
 
-def _hashed(items: list[Item], write: Any = None) -> tuple[str, dict[str, str]]:
-    """The tree digest (treehash.py) of the file these items make, and each item's tensor digest (hex); with
-    ``write``, the file's bytes are also passed to it, each chunk while its pieces are hashed on the pool."""
+Digests = tuple[str, dict[str, str]]  # a file's tree digest and each of its tensors' (hex)
+
+
+def _hashed(items: list[Item], write: Any = None) -> Callable[[], Digests]:
+    """What waits for the tree digest (treehash.py) of the file these items make and each item's tensor digest, all
+    queued on the pool; with ``write``, the file's bytes are also passed to it, each chunk while its pieces are
+    hashed. Once this returns, no bounce buffer is in use (a CPU tensor's own memory is read until the wait)."""
     head = header(items)
     if write is not None:
         write(head)
@@ -143,18 +147,23 @@ def _hashed(items: list[Item], write: Any = None) -> tuple[str, dict[str, str]]:
             if not item.tensor.is_cpu:
                 treehash.wait(pieces)  # before the next chunk reuses the bounce buffer
         hashes.append(own)
-    raw = [own.digest() for own in hashes]
-    return treehash.file_digest(head, raw), {item.name: value.hex() for item, value in zip(items, raw, strict=True)}
+
+    def result() -> Digests:
+        raw = [own.digest() for own in hashes]
+        return treehash.file_digest(head, raw), {item.name: value.hex() for item, value in zip(items, raw, strict=True)}
+
+    return result
 
 
-def digest(items: list[Item]) -> tuple[str, dict[str, str]]:
+def digest(items: list[Item]) -> Digests:
     """(tree digest of the file these items make, each item's tensor digest), without writing anything."""
-    return _hashed(items)
+    return _hashed(items)()
 
 
-def write(handle: Any, items: list[Item], hashed: bool = True) -> tuple[str, dict[str, str]] | None:
-    """Write the file's bytes to an open binary ``handle``; with ``hashed``, returns what :func:`digest` returns,
-    hashed from the very bytes written (on the pool, while the writing goes on: each byte is read once more)."""
+def write(handle: Any, items: list[Item], hashed: bool = True) -> Callable[[], Digests] | None:
+    """Write the file's bytes to an open binary ``handle``; with ``hashed``, returns what waits for what
+    :func:`digest` returns, hashed from the very bytes written (on the pool, while the writing goes on: each byte is
+    read once more, by a hashing thread). The caller may flush and sync the file before it waits."""
     if hashed:
         return _hashed(items, handle.write)
     handle.write(header(items))
