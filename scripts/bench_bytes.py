@@ -46,7 +46,6 @@ from bench_checkpoint import Holder, nbytes, synthetic_state  # noqa: E402
 from resumable.checkpoint import CheckpointManager, digests  # noqa: E402
 from resumable.checkpoint import format as fmt  # noqa: E402
 from resumable.checkpoint.sharded import ShardedFormat  # noqa: E402
-from resumable.engine.state import keeper as keepers  # noqa: E402
 from resumable.engine.state.keeper import StateKeeper  # noqa: E402
 from resumable.engine.state.train_state import TrainState  # noqa: E402
 
@@ -123,10 +122,10 @@ def resume_check(manager: CheckpointManager) -> None:
     info, _ = manager.latest_valid()
     assert info is not None
     version = info.manifest.get("fingerprint_version", 1)
-    if hasattr(keepers, "_verified_digests"):  # format 4: the digests the deep check computed
+    if hasattr(info, "verified_digests"):  # format 4: the digests the deep check computed
         located: dict = {}
         payload = manager.load(info, located)
-        found = digests.of_payload(payload, version, keepers._verified_digests(info, located))
+        found = digests.of_payload(payload, version, info.verified_digests(located))
     else:
         payload = manager.load(info)
         found = digests.of_payload(payload)

@@ -3,15 +3,17 @@
 Layout::
 
     RUN_DIR/checkpoints/step-000001234/
-        shard-00000.safetensors ...  the state's tensors (format 3, see sharded.py)
+        shard-00000.safetensors ...  the state's tensors (formats 3 and 4, see sharded.py)
         meta.pt                      everything else, and where each tensor is (weights_only loadable)
         state.pt                     formats 1 and 2 instead: torch.save of the whole state (weights_only loadable)
-        manifest.json                format version, step, sizes and sha256 of every file, fingerprint, config
+        manifest.json                format version, step, size and digest of every file, fingerprint, config
 
 A directory is a checkpoint only if its manifest parses, has a known format version, and every file it
-lists exists with the recorded size and sha256. The manifest is replaced atomically (temp file, fsync,
-``os.replace``, fsync of the directory), so a kill at any instant leaves either no manifest or a
-complete one.
+lists exists with the recorded size and digest. An entry's digest (its ``"sha256"`` field) is the sha256 of the
+file's bytes, or, for a format 4 shard (``"digest": "sha256-tree"``), its tree digest (treehash.py), computed from
+the same bytes by :func:`file_digest`, which every check of a file against its entry uses. The manifest is
+replaced atomically (temp file, fsync, ``os.replace``, fsync of the directory), so a kill at any instant leaves
+either no manifest or a complete one.
 """
 
 from __future__ import annotations

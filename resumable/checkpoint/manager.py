@@ -101,6 +101,23 @@ class CheckpointInfo:
         """Why a valid checkpoint is checked less than a current one (a format 1 manifest), or None."""
         return manifest_note(self.manifest) if self.valid else None
 
+    def verified_digests(self, located: dict[tuple[Any, ...], tuple[str, str]]) -> dict[tuple[Any, ...], str]:
+        """The tensor digests its deep check in this process computed (path -> hex) for the tensors ``located`` in its
+        shards (path -> (shard, key), as :meth:`CheckpointManager.load` fills it), so that the training-state
+        fingerprint does not hash those bytes again. Only a file that is still the one hashed (same inode, size and
+        modification time) counts; whatever is not here is hashed from the loaded payload."""
+        known: dict[tuple[Any, ...], str] = {}
+        current: dict[str, bool] = {}
+        for path, (shard, key) in located.items():
+            found = (self.digests or {}).get(shard)
+            if found is None or key not in found.tensors:
+                continue
+            if shard not in current:
+                current[shard] = found.current(self.path / shard)
+            if current[shard]:
+                known[path] = found.tensors[key]
+        return known
+
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "epoch": self.epoch, "valid": self.valid, "reason": self.reason,
                 "fingerprint": self.fingerprint, "path": str(self.path), "created": self.created,

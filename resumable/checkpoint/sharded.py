@@ -1,4 +1,4 @@
-"""Format 3 payload: the state's tensors in safetensors shards, everything else in a small ``meta.pt``.
+"""Formats 3 and 4: the state's tensors in safetensors shards, everything else in a small ``meta.pt``.
 
 Layout of a step dir::
 
@@ -6,13 +6,20 @@ Layout of a step dir::
                                  tensor gets a file of its own)
     meta.pt                      torch.save of the state with each sharded tensor replaced by None, and the index
                                  (structural path -> shard, name, shape and strides); weights_only loadable
-    manifest.json                written last by the manager: every file with its size and sha256
+    manifest.json                written last by the manager: every file with its size and digest (format 4: a
+                                 shard's is its tree digest, treehash.py, marked ``"digest": "sha256-tree"``)
 
 Writing happens in two parts (pytorch#144657: nothing the training thread changes after ``save()`` returns may
 reach the checkpoint). :meth:`ShardedFormat.begin`, on the training thread, copies shards into the staging
 memory while it has room, and writes the rest straight from the live tensors; :meth:`Pending.finish`, on the
 writer's thread, writes the staged shards and ``meta.pt``. A shard whose bytes equal the same shard of the
-previous committed checkpoint (same name, size and sha256) is hard-linked to it instead of written again.
+previous committed checkpoint (same name, size and tree digest) is hard-linked to it instead of written again.
+
+Each shard is hashed once, on the way to its file: its 16 MiB pieces are hashed on two threads while the writing
+thread writes them, and the file's digest, each tensor's digest (the training-state fingerprint, digests.py) and
+the comparison with the previous checkpoint all come from those piece digests. A shard's fsync and rename run on
+another thread while the next shard is written; :meth:`Pending.finish` returns once every one is done. A shard
+that was unchanged last time is hashed before it is written instead, and linked or written without hashing.
 """
 
 from __future__ import annotations
@@ -92,7 +99,7 @@ class Pending:
 
 
 class ShardedFormat:
-    """Format 3 (see the module docstring). ``shard_size``: the most bytes of tensors per file."""
+    """Format 4 (see the module docstring; format 3 is read). ``shard_size``: the most bytes of tensors per file."""
 
     name = KIND
 

@@ -299,7 +299,7 @@ class StateKeeper:
         if not sharded:  # before it is walked (fingerprint) or loaded into anything
             check_fits(self.objects, payload, set(frozen), lambda: self.frozen.trainable_difference(trainable))
         version = info.manifest.get("fingerprint_version", 1)
-        found = (digests.of_payload(payload, version, _verified_digests(info, located))
+        found = (digests.of_payload(payload, version, info.verified_digests(located))
                  if version in (digests.VERSION, digests.TENSOR_VERSION)
                  else fingerprint(payload["model"], payload["optimizer"]))
         if sharded:  # the shards' sha256 (checked with every file of the manifest) are part of it
@@ -416,19 +416,3 @@ class StateKeeper:
             return str(error), error
         return None, None
 
-
-def _verified_digests(info: CheckpointInfo, located: dict[tuple[Any, ...], tuple[str, str]]) -> dict[Any, str]:
-    """The tensor digests of ``info``'s shards that its deep check in this process computed (path -> hex), for the
-    tensors loaded from them, so that the fingerprint does not hash those bytes again; only a file that is still the
-    one hashed (same inode, size and modification time) counts. Whatever is not here is hashed from the payload."""
-    known: dict[Any, str] = {}
-    current: dict[str, bool] = {}
-    for path, (shard, key) in located.items():
-        found = (info.digests or {}).get(shard)
-        if found is None or key not in found.tensors:
-            continue
-        if shard not in current:
-            current[shard] = found.current(info.path / shard)
-        if current[shard]:
-            known[path] = found.tensors[key]
-    return known
