@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,7 +74,7 @@ class Pending:
     result: Written
     lines: list[tuple[str, str]] = field(default_factory=list)
     paths_of: dict[str, Any] = field(default_factory=dict)  # item name -> structural path
-    syncs: list[Future[None]] = field(default_factory=list)  # the shards' fsync and rename (_write)
+    syncs: list[_Sync] = field(default_factory=list)  # the shards' fsync and rename (_write)
 
     def finish(self) -> Written:
         """Write the staged shards and ``meta.pt``; returns the files for the manifest once every file is durable."""
@@ -95,7 +95,8 @@ class Pending:
 
     def settle(self) -> None:
         """Wait for every shard's fsync and rename (their errors are raised by :meth:`finish`)."""
-        wait(self.syncs)
+        for synced in self.syncs:
+            synced.join()
 
 
 class ShardedFormat:
@@ -309,15 +310,36 @@ def _fill(tree: Any, found: dict[tuple[Any, ...], torch.Tensor]) -> dict[str, An
     return state
 
 
-_syncer: ThreadPoolExecutor | None = None
+class _Sync(threading.Thread):
+    """A shard's fsync and rename, on a thread of its own that ends with them (nothing stays running after a save)."""
+
+    def __init__(self, handle: Any, tmp: Path, final: Path) -> None:
+        super().__init__(name="resumable-fsync", daemon=True)
+        self.handle, self.tmp, self.final = handle, tmp, final
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            try:
+                os.fsync(self.handle.fileno())
+            finally:
+                self.handle.close()
+            os.replace(self.tmp, self.final)
+        except BaseException as e:  # noqa: BLE001 - raised by result() on the thread that waits
+            self.error = e
+
+    def result(self) -> None:
+        self.join()
+        if self.error is not None:
+            raise self.error
 
 
-def _write(final: Path, items: list[Item], hashed: bool = True) -> tuple[str, dict[str, str], Future[None]]:
+def _write(final: Path, items: list[Item], hashed: bool = True) -> tuple[str, dict[str, str], _Sync]:
     """Write a shard atomically (temp file, fsync, rename); with ``hashed``, its tree digest and its tensors'
     digests, hashed from the bytes on their way to the file. Returns once every byte is written and hashed (no
-    tensor is read after); the fsync and rename go on on another thread (the future), so the disk's flush of one
+    tensor is read after); the fsync and rename go on on another thread (the _Sync), so the disk's flush of one
     shard overlaps the hashing of its last pieces and the writing of the next shard."""
-    global _syncer
     tmp = fmt.tmp_path(final)
     handle = fmt.create_new(tmp, "wb")
     try:
@@ -326,21 +348,11 @@ def _write(final: Path, items: list[Item], hashed: bool = True) -> tuple[str, di
     except BaseException:
         handle.close()
         raise
-
-    def settle() -> None:
-        try:
-            os.fsync(handle.fileno())
-        finally:
-            handle.close()
-        os.replace(tmp, final)
-
-    if _syncer is None:
-        _syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resumable-fsync")
-    synced = _syncer.submit(settle)
+    synced = _Sync(handle, tmp, final)
     try:
         sha, singles = found() if found is not None else ("", {})
     except BaseException:
-        wait([synced])
+        synced.join()
         raise
     return sha, singles, synced
 
