@@ -37,7 +37,9 @@ def test_round_trip_and_manifest(tmp_path: Path) -> None:
     assert set(manifest["files"]) == {META, shard_name(0)}, "the tensors in one shard, the rest in meta.pt"
     for name, entry in manifest["files"].items():
         path = info.path / name
-        assert entry == {"size": path.stat().st_size, "sha256": fmt.sha256_file(path)}, name
+        tree = {"digest": "sha256-tree"} if name != META else {}  # a shard's sha256 is its tree digest (format 4)
+        assert entry == {"size": path.stat().st_size, "sha256": fmt.file_digest(path, entry), **tree}, name
+        assert name == META or entry["sha256"] != fmt.sha256_file(path)
     assert {"torch_version", "python_version", "created"} <= set(manifest)
     loaded = manager.load(manager.latest_valid()[0])
     assert torch.equal(loaded["model"]["w"], torch.full((4, 3), 7.0))

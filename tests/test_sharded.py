@@ -74,7 +74,9 @@ def test_shards_are_safetensors_files_that_the_library_reads(tmp_path: Path) -> 
         assert sorted(handle.keys()) == ["/model/b", "/model/i", "/model/w"]
         assert torch.equal(handle.get_tensor("/model/w"), state["model"]["w"])
     for name, entry in files.items():
-        assert entry == {"size": (tmp_path / name).stat().st_size, "sha256": fmt.sha256_file(tmp_path / name)}
+        tree = {"digest": "sha256-tree"} if name != META else {}  # a shard's sha256 is its tree digest (format 4)
+        assert entry == {"size": (tmp_path / name).stat().st_size, "sha256": fmt.file_digest(tmp_path / name, entry),
+                         **tree}
 
 
 def test_shard_size_bounds_each_file_and_a_big_tensor_gets_its_own(tmp_path: Path) -> None:
@@ -150,7 +152,8 @@ def test_second_save_of_an_unchanged_state_writes_almost_nothing(tmp_path: Path)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     first = fmt3.begin(tmp_path / "a", state).finish()
-    previous = {n: Previous(tmp_path / "a" / n, e["size"], e["sha256"]) for n, e in first.files.items()}
+    previous = {n: Previous(tmp_path / "a" / n, e["size"], e["sha256"], e.get("digest"))
+                for n, e in first.files.items()}
     second = fmt3.begin(tmp_path / "b", state, previous=previous).finish()
     assert second.linked >= first.written - first.files[META]["size"]
     assert second.written <= 0.01 * first.written, (second.written, first.written)
@@ -165,7 +168,7 @@ def test_a_linked_shard_that_changed_meanwhile_is_written_instead(tmp_path: Path
     (tmp_path / "a" / shard_name(0)).unlink()  # pruned between the listing and the link
     second = ShardedFormat().begin(tmp_path / "b", state,
                                    previous={shard_name(0): Previous(tmp_path / "a" / shard_name(0), entry["size"],
-                                                                     entry["sha256"])}).finish()
+                                                                     entry["sha256"], entry["digest"])}).finish()
     assert second.linked == 0 and second.files[shard_name(0)] == entry
 
 

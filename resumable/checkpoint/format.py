@@ -3,15 +3,17 @@
 Layout::
 
     RUN_DIR/checkpoints/step-000001234/
-        shard-00000.safetensors ...  the state's tensors (format 3, see sharded.py)
+        shard-00000.safetensors ...  the state's tensors (formats 3 and 4, see sharded.py)
         meta.pt                      everything else, and where each tensor is (weights_only loadable)
         state.pt                     formats 1 and 2 instead: torch.save of the whole state (weights_only loadable)
-        manifest.json                format version, step, sizes and sha256 of every file, fingerprint, config
+        manifest.json                format version, step, size and digest of every file, fingerprint, config
 
 A directory is a checkpoint only if its manifest parses, has a known format version, and every file it
-lists exists with the recorded size and sha256. The manifest is replaced atomically (temp file, fsync,
-``os.replace``, fsync of the directory), so a kill at any instant leaves either no manifest or a
-complete one.
+lists exists with the recorded size and digest. An entry's digest (its ``"sha256"`` field) is the sha256 of the
+file's bytes, or, for a format 4 shard (``"digest": "sha256-tree"``), its tree digest (treehash.py), computed from
+the same bytes by :func:`file_digest`, which every check of a file against its entry uses. The manifest is
+replaced atomically (temp file, fsync, ``os.replace``, fsync of the directory), so a kill at any instant leaves
+either no manifest or a complete one.
 """
 
 from __future__ import annotations
@@ -29,10 +31,14 @@ from typing import Any
 import torch
 
 from ..atomic import TMP_MARK, create_new, fsync_dir, replace_with, tmp_path, write_json_atomic  # noqa: F401 - fmt.* for checkpoint/
-from . import paths
+from . import paths, shardfile, treehash
 
 FORMAT_NAME = "resumable-checkpoint"
-FORMAT_VERSION = 3  # 3: sharded safetensors payload; 2: the manifest carries manifest_sha256; 1 and 2 are read
+# 4: shards carry a tree digest (treehash.py, marked "digest": "sha256-tree" in their entries); 3: sharded safetensors
+# payload; 2: the manifest carries manifest_sha256; 1 to 3 are read
+FORMAT_VERSION = 4
+DIGEST = "digest"  # a file entry's field naming how its "sha256" was computed (absent: sha256 of the file's bytes)
+DIGESTS = (treehash.KIND,)  # the values this resumable knows
 MANIFEST = "manifest.json"
 PAYLOAD = "state.pt"
 TRAIN_STATE = "train_state"  # the payload entry of the loop's position (step, epoch, batch), which the manifest repeats
@@ -53,7 +59,7 @@ class HashingWriter:
 
     def __init__(self, handle: io.BufferedWriter) -> None:
         self._handle = handle
-        self.sha256 = hashlib.sha256()
+        self.sha256 = treehash.sha256()
         self.size = 0
 
     def write(self, data: bytes) -> int:
@@ -127,26 +133,53 @@ def write_bytes_atomic(directory: Path, data: bytes, name: str) -> dict[str, Any
     """``data`` to ``directory/name`` atomically (temp file, fsync, rename; the manifest's commit fsyncs the folder);
     returns ``{"size", "sha256"}``."""
     replace_with(directory / name, data, sync_folder=False)
-    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return {"size": len(data), "sha256": treehash.sha256(data).hexdigest()}
 
 
 def sha256_file(path: Path) -> str:
     """sha256 of a regular file (anything else raises OSError: a FIFO would block, /dev/zero never end)."""
-    digest = hashlib.sha256()
+    digest = treehash.sha256()
     with paths.open_regular(path) as handle:
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
 
 
-def verify_files(directory: Path, manifest: dict[str, Any], deep: bool = True) -> None:
-    """Check every listed file's size (and sha256 when ``deep``); raises InvalidCheckpoint.
+def tree_entry(entry: Any) -> bool:
+    """Whether a manifest entry's "sha256" is a shard's tree digest (treehash.py) rather than the file's sha256."""
+    return isinstance(entry, dict) and entry.get(DIGEST) == treehash.KIND
+
+
+def digest_of(path: Path, entry: Any) -> tuple[str, treehash.FileDigests | None]:
+    """A file's digest computed the way its manifest ``entry`` says (the tree digest of a shard, with its tensors'
+    digests; else the sha256 of its bytes, and None). Raises OSError when it cannot be read, shardfile.BadShard when
+    a shard's header is malformed."""
+    if tree_entry(entry):
+        found = shardfile.digest_file(path)
+        return found.digest, found
+    return sha256_file(path), None
+
+
+def file_digest(path: Path, entry: Any) -> str:
+    """A file's digest as its manifest ``entry`` records it ("" for a shard whose header is malformed, which
+    matches nothing); OSError when it cannot be read. Every check of a file against its entry uses this."""
+    try:
+        return digest_of(path, entry)[0]
+    except shardfile.BadShard:
+        return ""
+
+
+def verify_files(directory: Path, manifest: dict[str, Any], deep: bool = True) -> dict[str, treehash.FileDigests]:
+    """Check every listed file's size (and digest when ``deep``); raises InvalidCheckpoint. Returns the tensor
+    digests of every shard hashed by tree (``deep``), which a resume combines into the training-state fingerprint
+    instead of hashing the loaded payload again.
 
     The manifest may come from anywhere (a shared folder, Drive), so its names must be plain names inside
     ``directory`` and each file a regular file, checked before it is opened (see paths.py)."""
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise InvalidCheckpoint("manifest.json lists no files")
+    found: dict[str, treehash.FileDigests] = {}
     for name, expected in sorted(files.items(), key=lambda item: str(item[0])):
         try:
             path = directory / paths.plain_name(name, "manifest.json")
@@ -167,13 +200,18 @@ def verify_files(directory: Path, manifest: dict[str, Any], deep: bool = True) -
         if not deep:
             continue
         try:
-            digest = sha256_file(path)
+            digest, tensors = digest_of(path, expected)
         except paths.NotRegularFile as e:  # swapped after the check above
             raise InvalidCheckpoint(f"{name} is {e.kind}, not a regular file; only regular files are read") from None
+        except shardfile.BadShard as e:
+            raise InvalidCheckpoint(f"{name} does not match its sha256 (the file is corrupt: {e})") from None
         except OSError as e:
             raise InvalidCheckpoint(f"{name} cannot be read ({e})") from None
         if digest != expected.get("sha256"):
             raise InvalidCheckpoint(f"{name} does not match its sha256 (the file is corrupt)")
+        if tensors is not None:
+            found[name] = tensors
+    return found
 
 
 def load_payload(path: Path) -> Any:

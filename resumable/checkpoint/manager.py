@@ -14,7 +14,7 @@ import os
 import platform
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from .manifest import seal
 from .retention import BY_TEST_ACC, Best, Candidate, steps_to_prune
 from .sharded import META, ShardedFormat
 from .state_format import Previous, StateFormat, TorchFile
+from .treehash import FileDigests
 
 
 @dataclass
@@ -43,6 +44,9 @@ class CheckpointInfo:
     path: Path
     manifest: dict[str, Any] | None
     reason: str | None = None
+    # The tensor digests of its shards found by a deep check in this process (shard name -> what was hashed): a
+    # resume combines its training-state fingerprint from them instead of hashing the payload again.
+    digests: dict[str, FileDigests] | None = field(default=None, repr=False, compare=False)
 
     @property
     def valid(self) -> bool:
@@ -96,6 +100,23 @@ class CheckpointInfo:
     def note(self) -> str | None:
         """Why a valid checkpoint is checked less than a current one (a format 1 manifest), or None."""
         return manifest_note(self.manifest) if self.valid else None
+
+    def verified_digests(self, located: dict[tuple[Any, ...], tuple[str, str]]) -> dict[tuple[Any, ...], str]:
+        """The tensor digests its deep check in this process computed (path -> hex) for the tensors ``located`` in its
+        shards (path -> (shard, key), as :meth:`CheckpointManager.load` fills it), so that the training-state
+        fingerprint does not hash those bytes again. Only a file that is still the one hashed (same inode, size and
+        modification time) counts; whatever is not here is hashed from the loaded payload."""
+        known: dict[tuple[Any, ...], str] = {}
+        current: dict[str, bool] = {}
+        for path, (shard, key) in located.items():
+            found = (self.digests or {}).get(shard)
+            if found is None or key not in found.tensors:
+                continue
+            if shard not in current:
+                current[shard] = found.current(self.path / shard)
+            if current[shard]:
+                known[path] = found.tensors[key]
+        return known
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "epoch": self.epoch, "valid": self.valid, "reason": self.reason,
@@ -156,10 +177,10 @@ class CheckpointManager:
             return CheckpointInfo(step, path, manifest, f"manifest says step {manifest['step']}, but its folder is "
                                                         f"{path.name}")
         try:
-            fmt.verify_files(path, manifest, deep=deep)
+            found = fmt.verify_files(path, manifest, deep=deep)
         except fmt.InvalidCheckpoint as e:
             return CheckpointInfo(step, path, manifest, str(e))
-        return CheckpointInfo(step, path, manifest)
+        return CheckpointInfo(step, path, manifest, digests=found if deep else None)
 
     def inspect(self, deep: bool = True) -> list[CheckpointInfo]:
         return [self.check(step, path, deep) for step, path in self.step_dirs()]
@@ -211,7 +232,7 @@ class CheckpointManager:
                 manifest = manifests.read(path).body
             except fmt.InvalidCheckpoint:
                 continue
-            return {name: Previous(path / name, entry["size"], entry["sha256"])
+            return {name: Previous(path / name, entry["size"], entry["sha256"], entry.get(fmt.DIGEST))
                     for name, entry in manifest["files"].items()}
         return {}
 
@@ -247,9 +268,11 @@ class CheckpointManager:
         fmt.fsync_dir(directory)
         return self.commit(step, files, meta)
 
-    def load(self, info: CheckpointInfo) -> dict[str, Any]:
-        """The payload of ``info``, whatever its format (state.pt, or shards and meta.pt)."""
-        return read_any(info.path, info.manifest or {}, self.state_format.load_timeout_s)
+    def load(self, info: CheckpointInfo,
+             located: dict[tuple[Any, ...], tuple[str, str]] | None = None) -> dict[str, Any]:
+        """The payload of ``info``, whatever its format (state.pt, or shards and meta.pt); ``located`` receives the
+        shard and key of each sharded tensor (path -> (shard, key))."""
+        return read_any(info.path, info.manifest or {}, self.state_format.load_timeout_s, located)
 
     def cleanup_incomplete(self) -> list[Path]:
         """Remove temp files and step directories a killed save left without a manifest, and checkpoint entries
@@ -340,8 +363,10 @@ def checkpoints_dir(run_dir: str | os.PathLike[str]) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def read_any(directory: Path, manifest: dict[str, Any], load_timeout_s: float | None = None) -> dict[str, Any]:
+def read_any(directory: Path, manifest: dict[str, Any], load_timeout_s: float | None = None,
+             located: dict[tuple[Any, ...], tuple[str, str]] | None = None) -> dict[str, Any]:
     """The state of a checkpoint of any format: sharded when its manifest lists ``meta.pt``, else ``state.pt``."""
     files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
-    reader = ShardedFormat(load_timeout_s=load_timeout_s) if META in files else TorchFile(load_timeout_s)
-    return reader.read(directory, manifest)
+    if META in files:
+        return ShardedFormat(load_timeout_s=load_timeout_s).read(directory, manifest, located)
+    return TorchFile(load_timeout_s).read(directory, manifest)

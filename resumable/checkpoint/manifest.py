@@ -284,6 +284,9 @@ def _files(value: Any) -> str | None:
             return f"the size of {name!r} must be an integer >= 0"
         if _hex64(entry.get("sha256")) is not None:
             return f"the sha256 of {name!r} must be 64 lowercase hex digits"
+        if fmt.DIGEST in entry and entry[fmt.DIGEST] not in fmt.DIGESTS:
+            return (f"the digest of {name!r} is {_show(entry[fmt.DIGEST])}, which this resumable does not know "
+                    f"(known: {', '.join(fmt.DIGESTS)}): written by a newer resumable; upgrade resumable to load it")
         if "folder" in entry and not _placement_ok(entry["folder"]):
             return f"the folder of {name!r} must be the name of a checkpoint folder (step-N, checkpoint-N)"
     return None
@@ -345,7 +348,7 @@ _FIELDS: dict[str, tuple[Check, bool]] = {
     "batch_in_epoch": (_integer(0), False),
     "num_threads": (_integer(1, 4096), False),
     "fingerprint": (_hex64, False),
-    "fingerprint_version": (_integer(1, 2), False),
+    "fingerprint_version": (_integer(1, 3), False),
     "frozen": (_frozen, False),
     "trainable": (_names, False),
     "metrics": (_metrics, False),

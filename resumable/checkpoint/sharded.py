@@ -1,4 +1,4 @@
-"""Format 3 payload: the state's tensors in safetensors shards, everything else in a small ``meta.pt``.
+"""Formats 3 and 4: the state's tensors in safetensors shards, everything else in a small ``meta.pt``.
 
 Layout of a step dir::
 
@@ -6,19 +6,27 @@ Layout of a step dir::
                                  tensor gets a file of its own)
     meta.pt                      torch.save of the state with each sharded tensor replaced by None, and the index
                                  (structural path -> shard, name, shape and strides); weights_only loadable
-    manifest.json                written last by the manager: every file with its size and sha256
+    manifest.json                written last by the manager: every file with its size and digest (format 4: a
+                                 shard's is its tree digest, treehash.py, marked ``"digest": "sha256-tree"``)
 
 Writing happens in two parts (pytorch#144657: nothing the training thread changes after ``save()`` returns may
 reach the checkpoint). :meth:`ShardedFormat.begin`, on the training thread, copies shards into the staging
 memory while it has room, and writes the rest straight from the live tensors; :meth:`Pending.finish`, on the
 writer's thread, writes the staged shards and ``meta.pt``. A shard whose bytes equal the same shard of the
-previous committed checkpoint (same name, size and sha256) is hard-linked to it instead of written again.
+previous committed checkpoint (same name, size and tree digest) is hard-linked to it instead of written again.
+
+Each shard is hashed once, on the way to its file: its 16 MiB pieces are hashed on two threads while the writing
+thread writes them, and the file's digest, each tensor's digest (the training-state fingerprint, digests.py) and
+the comparison with the previous checkpoint all come from those piece digests. A shard's fsync and rename run on
+another thread while the next shard is written; :meth:`Pending.finish` returns once every one is done. A shard
+that was unchanged last time is hashed before it is written instead, and linked or written without hashing.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +36,7 @@ import torch
 from ..faults import NO_FAULTS, Faults
 from . import digests as fpr
 from . import format as fmt
-from . import paths, shardfile
+from . import paths, shardfile, treehash
 from .shardfile import Item
 from .staging import Staging, aligned
 from .state_format import Deadline, Previous, Written, check_structure, load_timeout_from_env
@@ -66,24 +74,33 @@ class Pending:
     result: Written
     lines: list[tuple[str, str]] = field(default_factory=list)
     paths_of: dict[str, Any] = field(default_factory=dict)  # item name -> structural path
+    syncs: list[_Sync] = field(default_factory=list)  # the shards' fsync and rename (_write)
 
     def finish(self) -> Written:
-        """Write the staged shards and ``meta.pt``; returns the files for the manifest."""
+        """Write the staged shards and ``meta.pt``; returns the files for the manifest once every file is durable."""
         try:
             meta = fmt.loadable_bytes(self.meta)  # first: a state that could never load is not written at all
             for shard in self.queued:
                 self.format.emit(self, shard)
             self.result.files[META] = fmt.write_bytes_atomic(self.directory, meta, META)
             self.result.written += self.result.files[META]["size"]
+            for synced in self.syncs:
+                synced.result()  # raises the first fsync or rename that failed
         finally:
+            self.settle()
             if self.staging is not None:
                 self.staging.release_all()
         self.result.fingerprint = fpr.combine(self.lines)
         return self.result
 
+    def settle(self) -> None:
+        """Wait for every shard's fsync and rename (their errors are raised by :meth:`finish`)."""
+        for synced in self.syncs:
+            synced.join()
+
 
 class ShardedFormat:
-    """Format 3 (see the module docstring). ``shard_size``: the most bytes of tensors per file."""
+    """Format 4 (see the module docstring; format 3 is read). ``shard_size``: the most bytes of tensors per file."""
 
     name = KIND
 
@@ -136,6 +153,7 @@ class ShardedFormat:
             for device in sorted(devices, key=str):  # the asynchronous copies are complete when save() returns
                 torch.cuda.synchronize(device)
         except BaseException:
+            pending.settle()  # nothing renames a file into the folder after a failed save has been reported
             if staging is not None:
                 staging.release_all()
             raise
@@ -155,7 +173,7 @@ class ShardedFormat:
             if not shardfile.shardable(leaf):  # a dtype or layout safetensors has no code for: in meta.pt
                 copy = leaf.detach().to("cpu", copy=True)
                 if covered:
-                    pending.lines.append(fpr.line(path, copy, fpr.tensor_digest(copy)))
+                    pending.lines.append(fpr.line(path, copy, fpr.tree_digest(copy)))
                 return copy
             stored, stride = shardfile.stored_form(leaf)
             name = path_text(path) or "/"
@@ -197,27 +215,32 @@ class ShardedFormat:
         items = shardfile.ordered(shard.items)
         final = pending.directory / shard.name
         previous = pending.previous.get(shard.name)
-        comparable = previous is not None and previous.size == shardfile.file_size(items)
+        size = shardfile.file_size(items)
+        comparable = previous is not None and previous.size == size and fmt.tree_entry(previous.entry)
         if comparable and self._unchanged_before.get(shard.name, True):
-            sha, size, singles = shardfile.digest(items)
+            sha, singles = shardfile.digest(items)
             if sha == previous.sha256 and _link(previous, final, self.share_limit):
                 pending.result.linked += size
             else:
-                _write(final, items, hashed=False)
+                pending.syncs.append(_write(final, items, hashed=False)[2])
                 pending.result.written += size
         else:
-            sha, size, singles = _write(final, items, hashed=True)
+            sha, singles, synced = _write(final, items)
+            pending.syncs.append(synced)
             pending.result.written += size
         if comparable:
             self._unchanged_before[shard.name] = sha == previous.sha256
-        pending.result.files[shard.name] = {"size": size, "sha256": sha}
-        for name, digest in singles.items():
-            path, tensor = pending.paths_of[name]
-            pending.lines.append(fpr.line(path, tensor, digest))
+        pending.result.files[shard.name] = {"size": size, "sha256": sha, fmt.DIGEST: treehash.KIND}
+        for item in items:
+            if item.digest:  # covered by the training-state fingerprint
+                path, tensor = pending.paths_of[item.name]
+                pending.lines.append(fpr.line(path, tensor, singles[item.name]))
         self.faults.between_shards()
 
     # -- reading -------------------------------------------------------------------------------------
-    def read(self, directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    def read(self, directory: Path, manifest: dict[str, Any],
+             located: dict[tuple[Any, ...], tuple[str, str]] | None = None) -> dict[str, Any]:
+        """The state; ``located`` (when given) receives where each tensor came from: path -> (shard, key)."""
         deadline = Deadline(self.load_timeout_s, directory)
         meta = fmt.load_payload(directory / META)
         deadline.check(META, "in torch.load")
@@ -251,6 +274,8 @@ class ShardedFormat:
                     found[tuple(path)] = _rebuild(tensors[key], shape, stride)
                 except (TypeError, ValueError) as e:
                     raise fmt.InvalidCheckpoint(f"{META}: the entry of {key!r} is malformed ({e})") from None
+                if located is not None:
+                    located[tuple(path)] = (name, key)
         return _fill(meta.get("tree"), found)
 
 
@@ -285,18 +310,51 @@ def _fill(tree: Any, found: dict[tuple[Any, ...], torch.Tensor]) -> dict[str, An
     return state
 
 
-def _write(final: Path, items: list[Item], hashed: bool) -> tuple[str, int, dict[str, str]]:
-    """Write a shard atomically (temp file, fsync, rename); with ``hashed``, hash it on the way."""
+class _Sync(threading.Thread):
+    """A shard's fsync and rename, on a thread of its own that ends with them (nothing stays running after a save)."""
+
+    def __init__(self, handle: Any, tmp: Path, final: Path) -> None:
+        super().__init__(name="resumable-fsync", daemon=True)
+        self.handle, self.tmp, self.final = handle, tmp, final
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            try:
+                os.fsync(self.handle.fileno())
+            finally:
+                self.handle.close()
+            os.replace(self.tmp, self.final)
+        except BaseException as e:  # noqa: BLE001 - raised by result() on the thread that waits
+            self.error = e
+
+    def result(self) -> None:
+        self.join()
+        if self.error is not None:
+            raise self.error
+
+
+def _write(final: Path, items: list[Item], hashed: bool = True) -> tuple[str, dict[str, str], _Sync]:
+    """Write a shard atomically (temp file, fsync, rename); with ``hashed``, its tree digest and its tensors'
+    digests, hashed from the bytes on their way to the file. Returns once every byte is written and hashed (no
+    tensor is read after); the fsync and rename go on on another thread (the _Sync), so the disk's flush of one
+    shard overlaps the hashing of its last pieces and the writing of the next shard."""
     tmp = fmt.tmp_path(final)
-    with fmt.create_new(tmp, "wb") as handle:
-        target = fmt.HashingWriter(handle) if hashed else handle
-        singles = shardfile.write(target, items, digests=hashed)
+    handle = fmt.create_new(tmp, "wb")
+    try:
+        found = shardfile.write(handle, items, hashed=hashed)
         handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, final)
-    if not hashed:
-        return "", 0, {}
-    return target.sha256.hexdigest(), target.size, singles
+    except BaseException:
+        handle.close()
+        raise
+    synced = _Sync(handle, tmp, final)
+    try:
+        sha, singles = found() if found is not None else ("", {})
+    except BaseException:
+        synced.join()
+        raise
+    return sha, singles, synced
 
 
 def _link(previous: Previous, final: Path, share_limit: int | None = None) -> bool:
@@ -308,7 +366,7 @@ def _link(previous: Previous, final: Path, share_limit: int | None = None) -> bo
         found = paths.regular_stat(previous.path)
         if found.st_size != previous.size or (share_limit is not None and found.st_nlink >= share_limit):
             return False
-        if fmt.sha256_file(previous.path) != previous.sha256:
+        if fmt.file_digest(previous.path, previous.entry) != previous.sha256:
             return False
         tmp = fmt.tmp_path(final)
         tmp.unlink(missing_ok=True)

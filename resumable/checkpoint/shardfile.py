@@ -18,20 +18,20 @@ parameter. Tensors are ordered by element size, largest first, so every tensor i
 
 from __future__ import annotations
 
-import hashlib
+import concurrent.futures
 import json
 import math
+import mmap
 import os
 import struct
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import paths
+from . import paths, treehash
 
 _CODES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16",
@@ -122,60 +122,56 @@ def chunks(tensor: torch.Tensor, bounce: list[torch.Tensor | None] | None = None
         yield memoryview(host.numpy())
 
 
-_helper: ThreadPoolExecutor | None = None
-
-
-def _beside(own: Any, view: memoryview) -> Future | None:
-    """Hash ``view`` into ``own`` on a helper thread while the caller hashes or writes it too: both release the
-    GIL, so an item's own digest (the fingerprint) costs no time of its own on a second core."""
-    global _helper
-    if own is None:
-        return None
-    if _helper is None:
-        _helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resumable-digest")
-    return _helper.submit(own.update, view)
-
-
 def file_size(items: list[Item]) -> int:
     return len(header(items)) + sum(item.size for item in items)
 
 
-def digest(items: list[Item]) -> tuple[str, int, dict[str, str]]:
-    """(sha256 of the file these items make, its size, sha256 of each item with ``digest`` set), without
-    writing anything."""
+Digests = tuple[str, dict[str, str]]  # a file's tree digest and each of its tensors' (hex)
+
+
+def _hashed(items: list[Item], write: Any = None) -> Callable[[], Digests]:
+    """What waits for the tree digest (treehash.py) of the file these items make and each item's tensor digest, all
+    queued on the pool; with ``write``, the file's bytes are also passed to it, each chunk while its pieces are
+    hashed. Once this returns, no bounce buffer is in use (a CPU tensor's own memory is read until the wait)."""
     head = header(items)
-    whole = hashlib.sha256(head)
-    size, singles = len(head), {}
+    if write is not None:
+        write(head)
     bounce: list[torch.Tensor | None] = [None]
+    hashes = []
     for item in items:
-        own = hashlib.sha256() if item.digest else None
+        own = treehash.TensorHash()
         for view in chunks(item.tensor, bounce):
-            job = _beside(own, view)
-            whole.update(view)  # hashlib releases the GIL on large buffers: training goes on meanwhile
-            if job is not None:
-                job.result()  # before the next chunk reuses the bounce buffer
-        size += item.size
-        if own is not None:
-            singles[item.name] = own.hexdigest()
-    return whole.hexdigest(), size, singles
+            pieces = own.add(view)
+            if write is not None:
+                write(view)
+            if not item.tensor.is_cpu:
+                treehash.wait(pieces)  # before the next chunk reuses the bounce buffer
+        hashes.append(own)
+
+    def result() -> Digests:
+        raw = [own.digest() for own in hashes]
+        return treehash.file_digest(head, raw), {item.name: value.hex() for item, value in zip(items, raw, strict=True)}
+
+    return result
 
 
-def write(handle: Any, items: list[Item], digests: bool = False) -> dict[str, str]:
-    """Write the file's bytes to an open binary ``handle``; with ``digests``, returns the sha256 of each item
-    with ``digest`` set (hashed from the very bytes written)."""
+def digest(items: list[Item]) -> Digests:
+    """(tree digest of the file these items make, each item's tensor digest), without writing anything."""
+    return _hashed(items)()
+
+
+def write(handle: Any, items: list[Item], hashed: bool = True) -> Callable[[], Digests] | None:
+    """Write the file's bytes to an open binary ``handle``; with ``hashed``, returns what waits for what
+    :func:`digest` returns, hashed from the very bytes written (on the pool, while the writing goes on: each byte is
+    read once more, by a hashing thread). The caller may flush and sync the file before it waits."""
+    if hashed:
+        return _hashed(items, handle.write)
     handle.write(header(items))
     bounce: list[torch.Tensor | None] = [None]
-    singles = {}
     for item in items:
-        own = hashlib.sha256() if digests and item.digest else None
         for view in chunks(item.tensor, bounce):
-            job = _beside(own, view)
             handle.write(view)
-            if job is not None:
-                job.result()
-        if own is not None:
-            singles[item.name] = own.hexdigest()
-    return singles
+    return None
 
 
 # -- reading -------------------------------------------------------------------------------------------
@@ -263,3 +259,36 @@ def read(path: Path) -> dict[str, torch.Tensor]:
             own = own.clone()
         tensors[name] = torch.empty(0, dtype=entry.dtype).set_(own, 0, entry.shape)
     return tensors
+
+
+def digest_file(path: Path) -> treehash.FileDigests:
+    """The tree digest (treehash.py) of the shard file at ``path``, with its tensors' digests, computed from the
+    file alone. Only a regular file is opened (paths.open_regular); a malformed header raises BadShard, an unreadable
+    file OSError. The tensors' bytes are read through a read-only mapping, their pieces hashed on the pool."""
+    with paths.open_regular(path) as handle:
+        stat = os.fstat(handle.fileno())
+        size = stat.st_size
+        head = handle.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        if length <= MAX_HEADER and length <= size - 8:
+            head += handle.read(length)
+        try:
+            entries = parse_header(head, size)
+        except BadShard as e:
+            raise BadShard(f"{path.name}: {e}") from None
+        head = head[:8 + length]
+        hashes = {name: treehash.TensorHash() for name in entries}  # header order: the order they were written in
+        if size > len(head):
+            mapped = mmap.mmap(handle.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            pieces: list[concurrent.futures.Future[bytes]] = []
+            try:
+                with memoryview(mapped) as view:
+                    for name, entry in entries.items():
+                        pieces += hashes[name].add(view[entry.start:entry.end])
+            finally:
+                concurrent.futures.wait(pieces)  # no piece reads the mapping once it is closed
+                del pieces
+                mapped.close()
+    raw = {name: own.digest() for name, own in hashes.items()}
+    return treehash.FileDigests(treehash.file_digest(head, raw.values()), {k: v.hex() for k, v in raw.items()},
+                                treehash.identity(stat))

@@ -50,6 +50,12 @@ class Previous:
     path: Path
     size: int
     sha256: str
+    digest: str | None = None  # the entry's "digest" field: how ``sha256`` was computed (format.file_digest)
+
+    @property
+    def entry(self) -> dict[str, Any]:
+        """As a manifest entry (what format.file_digest takes)."""
+        return {"size": self.size, "sha256": self.sha256, **({"digest": self.digest} if self.digest else {})}
 
 
 @dataclass

@@ -167,7 +167,7 @@ def hash_remote(remote: RemoteStore, folder: str, manifest: dict, scratch: Path)
             size = target.stat().st_size
             if size != expected["size"]:
                 return f"{name}{there} has {size} bytes, the manifest says {expected['size']}"
-            if fmt.sha256_file(target) != expected["sha256"]:
+            if fmt.file_digest(target, expected) != expected["sha256"]:
                 return f"{name}{there} does not match its sha256 (the copy on the remote is corrupt)"
             target.unlink()
     finally:

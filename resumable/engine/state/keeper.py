@@ -290,7 +290,8 @@ class StateKeeper:
         frozen = info.manifest.get("frozen") or {}
         self.frozen.check(frozen, info.step)  # the script's base weights, before anything is read or changed
         trainable = self.frozen.saved_trainable(info.manifest.get("trainable"))  # InvalidCheckpoint if malformed
-        payload = self.manager.load(info)
+        located: dict[tuple[Any, ...], tuple[str, str]] = {}  # sharded tensor -> (shard, key)
+        payload = self.manager.load(info, located)
         expected = set(self.objects) | {_TRAIN_STATE, RNG}
         missing = sorted(expected - set(payload))
         if missing:
@@ -298,7 +299,8 @@ class StateKeeper:
         if not sharded:  # before it is walked (fingerprint) or loaded into anything
             check_fits(self.objects, payload, set(frozen), lambda: self.frozen.trainable_difference(trainable))
         version = info.manifest.get("fingerprint_version", 1)
-        found = (digests.of_payload(payload) if version == digests.VERSION
+        found = (digests.of_payload(payload, version, info.verified_digests(located))
+                 if version in (digests.VERSION, digests.TENSOR_VERSION)
                  else fingerprint(payload["model"], payload["optimizer"]))
         if sharded:  # the shards' sha256 (checked with every file of the manifest) are part of it
             found = dcp.fingerprint(found, info.manifest["files"])
@@ -413,3 +415,4 @@ class StateKeeper:
                                    f"the matching options, or start over with --fresh --overwrite")
             return str(error), error
         return None, None
+
