@@ -8,6 +8,7 @@ import os
 import shutil
 import struct
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -269,3 +270,40 @@ def test_piece_digests_cover_views_in_order() -> None:
     split.add(memoryview(data)[:2 * SMALL_PIECE])
     split.add(memoryview(data)[2 * SMALL_PIECE:])
     assert whole.digest() == split.digest() != treehash.TensorHash().digest() == treehash.EMPTY
+
+
+def test_hashing_leaves_no_thread_that_holds_the_process_open(tmp_path: Path) -> None:
+    """A save and a deep check on the main thread start the hashing workers here; resumable-train leaves the process
+    at once only when no non-daemon thread is alive (cli/exits.exit_now), so they must be daemons (a resumed run
+    paid ~0.9 s of interpreter teardown at exit while they were a ThreadPoolExecutor's)."""
+    manager = CheckpointManager(tmp_path, ShardedFormat(shard_size=20_000))
+    saved = manager.save(1, _state(), {})
+    assert manager.check(1, saved.path, deep=True).valid
+    holding = [t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()
+               and not t.daemon]
+    assert holding == []
+    assert any(t.name.startswith("resumable-digest") for t in threading.enumerate())
+
+
+def test_a_forked_child_hashes_with_workers_of_its_own(tmp_path: Path) -> None:
+    """Only the forking thread survives a fork: a child (a DataLoader worker, a multiprocessing fork) that hashes
+    starts its own workers instead of waiting forever on the parent's."""
+    manager = CheckpointManager(tmp_path, ShardedFormat(shard_size=20_000))
+    saved = manager.save(1, _state(), {})
+    assert manager.check(1, saved.path, deep=True).valid  # the workers exist in this process
+    child = os.fork()
+    if child == 0:
+        try:
+            os._exit(0 if manager.check(1, saved.path, deep=True).valid else 1)
+        finally:
+            os._exit(2)
+    deadline = 30.0
+    while deadline > 0:
+        pid, status = os.waitpid(child, os.WNOHANG)
+        if pid:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+        deadline -= 0.05
+    os.kill(child, 9)
+    pytest.fail("the forked child's deep check hung on the parent's hashing workers")

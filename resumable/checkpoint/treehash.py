@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
 import threading
-from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,55 @@ PIECE = 16 << 20
 WORKERS = 2
 EMPTY = hashlib.sha256(b"").digest()
 
-_pool: ThreadPoolExecutor | None = None
+
+
+class _Workers:
+    """Daemon threads that hash pieces handed to them. Daemon, unlike a ThreadPoolExecutor's (which Python joins at
+    exit): an idle hashing thread must not keep ``resumable-train`` from ending at once when its work is done
+    (cli/exits.exit_now leaves the process at once only when no non-daemon thread is alive; the interpreter's own
+    teardown of torch takes ~0.9 s). A piece in flight when the process ends is one nobody waits for any more:
+    every save and check waits for its pieces before it commits or returns."""
+
+    def __init__(self, count: int) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = queue.SimpleQueue()
+        for index in range(count):
+            threading.Thread(target=self._work, name=f"resumable-digest-{index}", daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            # The job's arguments (a view of a mapped file) are dropped before its waiter wakes: the waiter closes
+            # the mapping next, which fails while a view of it is referenced.
+            try:
+                result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                del args
+                future.set_exception(e)
+            else:
+                del args
+                future.set_result(result)
+                del result
+            del future, fn
+
+
+_pool: _Workers | None = None
 _pool_lock = threading.Lock()
+
+
+def _forget_workers() -> None:
+    """In a forked child the workers do not exist (only the forking thread survives a fork): start new ones there."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_workers)
 
 
 def sha256(data: Any = b"") -> Any:
@@ -43,12 +91,12 @@ def sha256(data: Any = b"") -> Any:
     return hashlib.sha256(data)
 
 
-def _workers() -> ThreadPoolExecutor:
+def _workers() -> _Workers:
     global _pool
     if _pool is None:
         with _pool_lock:
             if _pool is None:
-                _pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="resumable-digest")
+                _pool = _Workers(WORKERS)
     return _pool
 
 
