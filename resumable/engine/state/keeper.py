@@ -415,4 +415,3 @@ class StateKeeper:
                                    f"the matching options, or start over with --fresh --overwrite")
             return str(error), error
         return None, None
-
