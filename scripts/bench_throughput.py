@@ -9,7 +9,9 @@
 (c) the compute floor: the same model's forward, backward and Adam step on batches already in memory (the layout
     resumable-train uses), nothing else: no data loading, no test, no checkpoint. No training path of this model
     can be faster than (c) without changing its arithmetic, so (c)/(a) bounds what (b)/(a) can reach here.
-All are timed end to end and report training samples/s, alternated --repeats times (medians).
+All are timed end to end inside their process (not its start-up) and report training samples/s, alternated
+--repeats times (medians); each runs in a fresh process of its own, so that resumable-train's process-wide allocator
+setting (engine/state/host_memory.py, which the floor makes too) does not reach the guide.
 
 ``--process``: each of (a) and (b) as a whole ``python`` process (start-up, training, test, exit), alternating pairs;
 prints the wall-time ratio guide / resumable-train.
@@ -18,7 +20,10 @@ prints the wall-time ratio guide / resumable-train.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -80,8 +85,11 @@ def resumable_path(data_dir: str, epochs: int, seed: int, device: str) -> tuple[
 
 def compute_floor(data_dir: str, epochs: int, seed: int, device: str) -> tuple[float, float, int]:
     """Forward, backward and Adam on device-resident batches of the training set, in a fixed shuffled order."""
+    from resumable.engine.state.host_memory import keep_freed_blocks
     from resumable.tasks.mnist import load_mnist, loss_fn
 
+    if device == "cpu":
+        keep_freed_blocks()  # as resumable-train does on the CPU: the floor of the same process
     train = load_mnist(data_dir, torch.device(device), download=False).train
     torch.manual_seed(seed)
     model = Net().to(device)
@@ -110,9 +118,6 @@ print(f"guide: {{samples / seconds:.0f}} samples/s in its loop, test_acc {{acc:.
 
 def whole_processes(args: argparse.Namespace) -> None:
     """Each path as a whole process, alternating: wall time from start to exit, the ratio guide / resumable-train."""
-    import subprocess
-    import sys
-
     walls: dict[str, list[float]] = {"guide": [], "resumable-train": []}
     with tempfile.TemporaryDirectory() as work:
         script = Path(work) / "guide.py"
@@ -138,6 +143,9 @@ def whole_processes(args: argparse.Namespace) -> None:
           f"{ours:.2f} s; ratio guide/resumable-train {guide / ours:.2f}x")
 
 
+PATHS = {"guide": guide_loop, "resumable": resumable_path, "floor": compute_floor}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("data_dir")
@@ -146,19 +154,31 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--process", action="store_true", help="time whole processes instead (see above)")
+    parser.add_argument("--child", choices=sorted(PATHS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads, epochs={args.epochs}")
     if args.process:
         whole_processes(args)
         return
-    paths = (("guide", guide_loop), ("resumable", resumable_path), ("floor", compute_floor))
-    rates: dict[str, list[float]] = {name: [] for name, _ in paths}
-    accs: dict[str, list[float]] = {name: [] for name, _ in paths}
+    if args.child:  # one path, timed inside this process (see below)
+        seconds, acc, samples = PATHS[args.child](args.data_dir, args.epochs, args.seed, args.device)
+        print(json.dumps({"seconds": seconds, "acc": acc, "samples": samples}))
+        return
+    rates: dict[str, list[float]] = {name: [] for name in PATHS}
+    accs: dict[str, list[float]] = {name: [] for name in PATHS}
     for repeat in range(args.repeats):
-        for name, fn in paths:
-            # A different seed per repeat, the same for both paths: accuracy medians then compare the
-            # methods rather than one lucky draw of dropout masks and data order.
-            seconds, acc, samples = fn(args.data_dir, args.epochs, args.seed + repeat, args.device)
+        for name in PATHS:
+            # Each path in a process of its own, timed inside it (its loop, not its start-up): resumable-train tunes
+            # the process's allocator (engine/state/host_memory.py), which must not reach the guide's baseline.
+            # A different seed per repeat, the same for every path: accuracy medians then compare the methods
+            # rather than one lucky draw of dropout masks and data order.
+            done = subprocess.run([sys.executable, __file__, args.data_dir, "--child", name, "--epochs",
+                                   str(args.epochs), "--seed", str(args.seed + repeat), "--device", args.device],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"{name} failed ({done.returncode}):\n{done.stdout[-1500:]}{done.stderr[-1500:]}")
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            seconds, acc, samples = result["seconds"], result["acc"], result["samples"]
             rates[name].append(samples / seconds)
             accs[name].append(acc)
             print(f"  repeat {repeat + 1}: {name:<10} {samples / seconds:8.0f} samples/s  test_acc {acc:.4f}")

@@ -19,6 +19,7 @@ from ..engine.run import Opening, Run, ToolHooks
 from ..engine.rundir.run_dir import Choice
 from ..engine.session import identity
 from ..engine.state import hardware, preflight
+from ..engine.state.host_memory import keep_freed_blocks
 from ..engine.state.train_state import seed_everything
 from ..engine.tool_entry import TaskResult, train_task
 from ..errors import ConfigMismatch, ResumableError
@@ -100,6 +101,8 @@ class MnistTraining:
         latest = choice.latest
         cfg = resolve_config(self.explicit, latest.manifest.get("config") if latest is not None else None)
         device = _pick_device("cpu" if cfg.device == "cpu" else self.device_type(), dist)
+        if device.type == "cpu":  # the step's large buffers reused, not mapped and faulted in again each step
+            keep_freed_blocks()
         # Deterministic cuDNN kernels cost little on this small CNN; resumes are bit-identical on GPU too.
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
