@@ -307,3 +307,21 @@ def test_a_forked_child_hashes_with_workers_of_its_own(tmp_path: Path) -> None:
         deadline -= 0.05
     os.kill(child, 9)
     pytest.fail("the forked child's deep check hung on the parent's hashing workers")
+
+
+def test_a_file_system_that_cannot_map_files_is_hashed_by_reading(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some FUSE mounts (a Drive folder with direct I/O) refuse mmap: the deep check reads the pieces instead and
+    finds the same digests."""
+    manager = CheckpointManager(tmp_path, ShardedFormat(shard_size=20_000))
+    saved = manager.save(1, _state(), {})
+    shard = next(p for p in sorted(saved.path.iterdir()) if p.suffix == ".safetensors")
+    mapped = shardfile.digest_file(shard)
+
+    def refuse(*args: object, **kwargs: object) -> object:
+        raise OSError(19, "No such device")
+
+    monkeypatch.setattr(shardfile.mmap, "mmap", refuse)
+    read = shardfile.digest_file(shard)
+    assert (read.digest, read.tensors) == (mapped.digest, mapped.tensors) == _by_spec(shard)
+    assert manager.check(1, saved.path, deep=True).valid

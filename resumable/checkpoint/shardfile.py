@@ -19,6 +19,7 @@ parameter. Tensors are ordered by element size, largest first, so every tensor i
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import json
 import math
 import mmap
@@ -279,16 +280,33 @@ def digest_file(path: Path) -> treehash.FileDigests:
         head = head[:8 + length]
         hashes = {name: treehash.TensorHash() for name in entries}  # header order: the order they were written in
         if size > len(head):
-            mapped = mmap.mmap(handle.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-            pieces: list[concurrent.futures.Future[bytes]] = []
-            try:
-                with memoryview(mapped) as view:
-                    for name, entry in entries.items():
-                        pieces += hashes[name].add(view[entry.start:entry.end])
-            finally:
-                concurrent.futures.wait(pieces)  # no piece reads the mapping once it is closed
-                del pieces
-                mapped.close()
+            try:  # private and read-only: what loading maps too (a FUSE mount with direct I/O refuses shared maps)
+                mapped = mmap.mmap(handle.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+            except OSError:  # a file system that cannot map files at all: read the pieces instead
+                _hash_by_reading(handle, entries, hashes)
+            else:
+                pieces: list[concurrent.futures.Future[bytes]] = []
+                try:
+                    with memoryview(mapped) as view:
+                        for name, entry in entries.items():
+                            pieces += hashes[name].add(view[entry.start:entry.end])
+                finally:
+                    concurrent.futures.wait(pieces)  # no piece reads the mapping once it is closed
+                    del pieces
+                    mapped.close()
     raw = {name: own.digest() for name, own in hashes.items()}
     return treehash.FileDigests(treehash.file_digest(head, raw.values()), {k: v.hex() for k, v in raw.items()},
                                 treehash.identity(stat))
+
+
+def _hash_by_reading(handle: Any, entries: dict[str, Entry], hashes: dict[str, treehash.TensorHash]) -> None:
+    """Feed each tensor's bytes to its hash piece by piece, read from ``handle`` (no mapping)."""
+    for name, entry in entries.items():
+        handle.seek(entry.start)
+        left = entry.end - entry.start
+        while left:
+            data = handle.read(min(treehash.PIECE, left))
+            if not data:
+                raise OSError(errno.EIO, f"the file ended {left} bytes early while it was hashed")
+            hashes[name].add(memoryview(data))
+            left -= len(data)
