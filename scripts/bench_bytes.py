@@ -46,6 +46,7 @@ from bench_checkpoint import Holder, nbytes, synthetic_state  # noqa: E402
 from resumable.checkpoint import CheckpointManager, digests  # noqa: E402
 from resumable.checkpoint import format as fmt  # noqa: E402
 from resumable.checkpoint.sharded import ShardedFormat  # noqa: E402
+from resumable.checkpoint.tree import tensors  # noqa: E402
 from resumable.engine.state.keeper import StateKeeper  # noqa: E402
 from resumable.engine.state.train_state import TrainState  # noqa: E402
 
@@ -141,7 +142,7 @@ def bench(megabytes: float, repeats: int, root: Path) -> list[str]:
     model, optim = synthetic_state(megabytes)
     state = {"model": model, "optimizer": optim}
     size = nbytes(state)
-    lines = [f"state {size / 1e6:.0f} MB ({sum(1 for _ in _tensors(state))} tensors), median of {repeats}:"]
+    lines = [f"state {size / 1e6:.0f} MB ({sum(1 for _ in tensors(state))} tensors), median of {repeats}:"]
 
     base = root / "torch"
     base.mkdir()
@@ -188,17 +189,6 @@ def bench(megabytes: float, repeats: int, root: Path) -> list[str]:
     for used in (folder, base, root / "keeper"):
         shutil.rmtree(used)
     return lines
-
-
-def _tensors(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors(value)
 
 
 def main(argv: list[str] | None = None) -> int:

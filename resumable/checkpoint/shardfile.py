@@ -233,19 +233,26 @@ def parse_header(data: bytes, size: int) -> dict[str, Entry]:
     return entries
 
 
+def _read_header(handle: Any, size: int, path: Path) -> tuple[bytes, dict[str, Entry]]:
+    """The header bytes (length and JSON, as written) of the open safetensors file ``handle`` of ``size`` bytes, and
+    its checked entries; BadShard, naming ``path``, when they do not describe the file."""
+    head = handle.read(8)
+    length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+    if length <= MAX_HEADER and length <= size - 8:
+        head += handle.read(length)
+    try:
+        entries = parse_header(head, size)
+    except BadShard as e:
+        raise BadShard(f"{path.name}: {e}") from None
+    return head[:8 + length], entries
+
+
 def read(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of the safetensors file at ``path``, as views of a private memory map (only a regular file
     is opened: paths.open_regular)."""
     with paths.open_regular(path) as handle:
         size = os.fstat(handle.fileno()).st_size
-        head = handle.read(8)
-        length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-        if length <= MAX_HEADER and length <= size - 8:
-            head += handle.read(length)
-        try:
-            entries = parse_header(head, size)
-        except BadShard as e:
-            raise BadShard(f"{path.name}: {e}") from None
+        _, entries = _read_header(handle, size, path)
         if not entries:
             return {}
         storage = torch.UntypedStorage.from_file(paths.fd_path(handle.fileno(), path), shared=False, nbytes=size)
@@ -269,15 +276,7 @@ def digest_file(path: Path) -> treehash.FileDigests:
     with paths.open_regular(path) as handle:
         stat = os.fstat(handle.fileno())
         size = stat.st_size
-        head = handle.read(8)
-        length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-        if length <= MAX_HEADER and length <= size - 8:
-            head += handle.read(length)
-        try:
-            entries = parse_header(head, size)
-        except BadShard as e:
-            raise BadShard(f"{path.name}: {e}") from None
-        head = head[:8 + length]
+        head, entries = _read_header(handle, size, path)
         hashes = {name: treehash.TensorHash() for name in entries}  # header order: the order they were written in
         if size > len(head):
             try:  # private and read-only: what loading maps too (a FUSE mount with direct I/O refuses shared maps)
